@@ -1,0 +1,5 @@
+"""`python -m superfluid` is the `superfluid` command."""
+
+from .cli import main
+
+raise SystemExit(main())

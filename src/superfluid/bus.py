@@ -1,0 +1,133 @@
+"""Per-session event bus: subscriptions to a session's committed events.
+
+A subscription gets the session's backlog from a cursor, then every event committed
+after it, deduplicated by event id, and (when asked) provisional text. Each subscriber
+has a bounded queue; one that falls 1024 messages behind is dropped with `lagged`.
+Delivery runs on the subscriber's own task, so a slow reader never holds up a commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .protocol.schema import EventMsg
+
+QUEUE_LIMIT = 1024
+
+END_UNSUBSCRIBED = "unsubscribed"
+END_LAGGED = "lagged"
+END_PUBLISHER_CLOSED = "publisher closed"
+END_PURGED = "purged"
+
+
+@dataclass(frozen=True)
+class SubEvent:
+    event: EventMsg
+
+
+@dataclass(frozen=True)
+class SubProvisional:
+    channel: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SubEnded:
+    reason: str
+
+
+SubItem = SubEvent | SubProvisional | SubEnded
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One subscriber to one session; items arrive on `queue` in the owner's event loop."""
+
+    id: int
+    session: int
+    provisional: bool
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[SubItem] = field(default_factory=asyncio.Queue)
+    next_id: int = 0
+    ended: bool = False
+
+    def _push(self, item: SubItem) -> None:
+        # runs in the owner's loop
+        if self.ended:
+            return
+        if isinstance(item, SubEvent):
+            if item.event.event_id < self.next_id:
+                return
+            self.next_id = item.event.event_id + 1
+        if isinstance(item, SubEnded):
+            self.ended = True
+        elif self.queue.qsize() >= QUEUE_LIMIT:
+            self.ended = True
+            item = SubEnded(END_LAGGED)
+        self.queue.put_nowait(item)
+
+
+class Bus:
+    """Routes committed events and provisional text to the subscribers of each session."""
+
+    def __init__(self) -> None:
+        self._subs: dict[int, list[Subscription]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def subscribe(
+        self, session: int, cursor: int, provisional: bool, backlog: Callable[[int], list[EventMsg]]
+    ) -> Subscription:
+        """Attach a subscriber; `backlog(cursor)` is read under the bus lock so no event slips between."""
+        sub = Subscription(next(self._ids), session, provisional, asyncio.get_running_loop(), next_id=cursor)
+        with self._lock:
+            events = backlog(cursor)
+            self._subs.setdefault(session, []).append(sub)
+        for event in events:
+            sub._push(SubEvent(event))
+        return sub
+
+    def _each(self, session: int) -> list[Subscription]:
+        with self._lock:
+            return list(self._subs.get(session, ()))
+
+    def publish(self, session: int, events: list[EventMsg]) -> None:
+        for sub in self._each(session):
+            for event in events:
+                sub.loop.call_soon_threadsafe(sub._push, SubEvent(event))
+
+    def provisional(self, session: int, channel: int, text: str) -> None:
+        for sub in self._each(session):
+            if sub.provisional:
+                sub.loop.call_soon_threadsafe(sub._push, SubProvisional(channel, text))
+
+    def end(self, sub: Subscription, reason: str) -> None:
+        self._detach(sub)
+        sub.loop.call_soon_threadsafe(sub._push, SubEnded(reason))
+
+    def end_session(self, session: int, reason: str) -> None:
+        for sub in self._each(session):
+            self.end(sub, reason)
+
+    def close(self) -> None:
+        with self._lock:
+            sessions = list(self._subs)
+        for session in sessions:
+            self.end_session(session, END_PUBLISHER_CLOSED)
+
+    def _detach(self, sub: Subscription) -> None:
+        with self._lock:
+            subs = self._subs.get(sub.session, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._subs.pop(sub.session, None)
+
+    def detach(self, sub: Subscription) -> None:
+        """Forget a subscriber whose connection closed (nothing more is delivered)."""
+        self._detach(sub)
+        sub.ended = True

@@ -1,0 +1,172 @@
+"""The `superfluid` command: `serve` runs the daemon; `session` and `media` talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+from .config import DEFAULT_HTTP, DEFAULT_MAX_BATCH, ServeConfig, default_sessions, default_socket
+
+DESCRIPTION = """\
+superfluid serves a local LLM whose conversations outlive crashes and restarts, fork
+cheaply and share their prefixes. Sessions live in an fsynced log under --sessions;
+clients reach them over the unix socket (--socket) or, with --web, from a browser.
+"""
+
+SERVE_EPILOG = """\
+MODEL is a path to a .gguf file or a Hugging Face id such as
+bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M (looked up in the local Hugging Face
+cache; downloaded only when missing and --offline is not given). Without MODEL the
+embedded SmolLM2-135M-Instruct is served, so this works on a machine with no network:
+
+  superfluid serve
+  superfluid serve ~/models/qwen3-4b-q4_k_m.gguf --max-context 16384 --max-batch 4
+"""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def _context(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = _positive(text)
+    if value < 512:
+        raise argparse.ArgumentTypeError(f"must be at least 512 tokens (or auto), not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="superfluid", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"superfluid {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon: load MODEL, replay the sessions and serve them.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "model", nargs="?", metavar="MODEL", help="a .gguf path or org/repo-GGUF:QUANT (default: embedded)"
+    )
+    serve.add_argument(
+        "--sessions",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"directory of the session log; one daemon per directory (default: {default_sessions()}, "
+        "under $SUPERFLUID_HOME)",
+    )
+    serve.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"unix socket of the session API, mode 0600; a stale file is replaced (default: {default_socket()})",
+    )
+    serve.add_argument(
+        "--max-context",
+        type=_context,
+        default=None,
+        metavar="N",
+        help="tokens one session may hold, prompt and reply together; 'auto' is the model's trained "
+        "window up to 8192 (default: auto)",
+    )
+    serve.add_argument(
+        "--max-batch",
+        "--max-batch-size",
+        dest="max_batch",
+        type=_positive,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"generations decoded together in one batch (lanes) (default: {DEFAULT_MAX_BATCH})",
+    )
+    serve.add_argument(
+        "--threads", type=_positive, default=None, metavar="N", help="CPU threads for llama.cpp (default: all cores)"
+    )
+    serve.add_argument(
+        "--http",
+        default=DEFAULT_HTTP,
+        metavar="ADDR",
+        help=f"address of the OpenAI/Anthropic/Ollama listener; not served by this version (default: {DEFAULT_HTTP})",
+    )
+    serve.add_argument("--no-http", action="store_true", help="serve the session API only (socket, and --web if given)")
+    serve.add_argument(
+        "--no-tui", action="store_true", help="no terminal monitor; superfluid has none yet, and logs to stderr"
+    )
+    serve.add_argument(
+        "--web",
+        metavar="127.0.0.1:PORT",
+        help="also serve the session API as JSON over HTTP and WebSocket on this loopback address",
+    )
+    serve.add_argument(
+        "--web-origin",
+        dest="web_origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
+    )
+    serve.add_argument("--offline", action="store_true", help="never download a model; use the local cache only")
+    serve.add_argument(
+        "--log-filter",
+        default="info",
+        metavar="DIRECTIVE",
+        help="log levels, such as info or superfluid.scheduler=debug,info",
+    )
+    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (same as --log-filter debug)")
+
+    commands.add_parser("version", help="print the version")
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    config = ServeConfig(
+        model=args.model,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        http=args.http,
+        no_http=args.no_http,
+        web=args.web,
+        web_origins=args.web_origins,
+        offline=args.offline,
+        log_filter="debug" if args.verbose else args.log_filter,
+    )
+    if args.sessions is not None:
+        config.sessions = args.sessions.expanduser()
+    if args.socket is not None:
+        config.socket = args.socket.expanduser()
+    if args.threads is not None:
+        config.threads = args.threads
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from .logsetup import parse_directive, setup_logging
+        from .serve import run
+
+        try:
+            parse_directive(args.log_filter)
+        except ValueError as e:
+            parser.error(str(e))
+        config = serve_config(args)
+        setup_logging(config.log_filter)
+        return run(config)
+    if args.command == "version":
+        print(f"superfluid {__version__}")
+        return 0
+    parser.print_help(sys.stderr)
+    return 2

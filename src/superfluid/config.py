@@ -1,0 +1,50 @@
+"""Where superfluid keeps its state, and the settings of `superfluid serve`, in one place.
+
+`$SUPERFLUID_HOME` (default `~/.superfluid`) holds the sessions directory and the
+socket. Every serve flag is a field of `ServeConfig`; the CLI fills it and nothing else
+reads the command line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_HTTP = "127.0.0.1:8453"
+MAX_FRAME = 64 << 20
+
+
+def home() -> Path:
+    configured = os.environ.get("SUPERFLUID_HOME", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".superfluid"
+
+
+def default_sessions() -> Path:
+    return home() / "sessions"
+
+
+def default_socket() -> Path:
+    return home() / "superfluid.sock"
+
+
+@dataclass
+class ServeConfig:
+    """Everything `superfluid serve` is told."""
+
+    model: str | None = None
+    sessions: Path = field(default_factory=default_sessions)
+    socket: Path = field(default_factory=default_socket)
+    max_context: int | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    http: str = DEFAULT_HTTP
+    no_http: bool = False
+    tui: bool = False
+    web: str | None = None
+    web_origins: list[str] = field(default_factory=list)
+    offline: bool = False
+    log_filter: str = "info"
+    tick_ms: float = 50.0
+    prefill_chunk: int = 512

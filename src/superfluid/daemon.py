@@ -1,0 +1,599 @@
+"""The session API, independent of any transport: a `Request` in, `Response`s out.
+
+Every verb checks its input against the session state, builds the records it commits
+(with the exact token spans they put on the model's input), commits them through the
+store and answers from what was committed. Refusals raise `DaemonError`, whose text
+is the `Err` message the client sees; nothing is written when a request is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .bus import END_PURGED, Bus
+from .generation import Committed, Done, Failed, GenerationRun, Generations, Outcome, Provisional
+from .logsetup import set_log_directive
+from .metrics import Metrics
+from .model.channels import ChannelSplitter
+from .model.template import ChatTemplate, TemplateProblem
+from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tools
+from .protocol.schema import (
+    FINISH_STOP,
+    QOS_NAMES,
+    ROLE_ASSISTANT,
+    ROLE_SYSTEM,
+    TOKEN_BEARING,
+    EventBody,
+    EventMsg,
+    GenParams,
+    Inspection,
+    PurgeMode,
+    RebaseEdit,
+    Request,
+    Response,
+    SessionSummary,
+    Tier,
+)
+from .scheduler.scheduler import Scheduler
+from .store.sessions import SessionStore, now_ms
+from .store.state import SessionState
+
+log = logging.getLogger("superfluid.daemon")
+B = EventBody
+R = Request
+
+PURGE_WAIT_S = 10.0
+# Records a Generate streams to its caller as they commit.
+STREAMED = (B.Generated, B.ToolUse, B.ToolResult, B.ToolParseFailure)
+
+
+class DaemonError(Exception):
+    """A refused request; the text is what the client reads in `Err`."""
+
+
+class QueueListener:
+    """Delivers a run's outcomes into an asyncio queue from any thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Outcome] = asyncio.Queue()
+
+    def put(self, item: Outcome) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Generation:
+    """A Generate as its caller sees it: outcomes to iterate, a run to cancel."""
+
+    def __init__(self, listener: QueueListener | None, run: GenerationRun | None, immediate: Done | None = None):
+        self._listener = listener
+        self.run = run
+        self._immediate = immediate
+
+    async def __aiter__(self) -> AsyncIterator[Outcome]:
+        if self._immediate is not None:
+            yield self._immediate
+            return
+        assert self._listener is not None
+        while True:
+            item = await self._listener.queue.get()
+            yield item
+            if isinstance(item, (Done, Failed)):
+                return
+
+
+class Daemon:
+    """One model's sessions: the store, the scheduler and the verbs between them."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        model: Any,
+        template: ChatTemplate,
+        scheduler: Scheduler,
+        *,
+        window: int,
+        metrics: Metrics,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.template = template
+        self.window = window
+        self.metrics = metrics
+        self.bus = Bus()
+        self.running: dict[int, GenerationRun] = {}
+        self.generations = Generations(store, self._release, metrics)
+        self.scheduler = scheduler
+        scheduler.on_tick = self.generations.on_tick
+        self.fingerprint = _fingerprint(model, template)
+        self._purging: set[int] = set()
+        metrics.attach(self)
+        self._handlers: dict[type, Callable[[Any], Response]] = {
+            R.Create: self._create,
+            R.Append: self._append,
+            R.AppendMessage: self._append_message,
+            R.AppendSystem: self._append_system,
+            R.Read: self._read,
+            R.List: self._list,
+            R.Sessions: self._sessions,
+            R.Tree: self._tree,
+            R.Inspect: self._inspect,
+            R.SetMeta: self._set_meta,
+            R.Fork: self._fork,
+            R.Rebase: self._rebase,
+            R.Trim: self._trim,
+            R.Cancel: self._cancel,
+            R.SetQos: self._set_qos,
+            R.Pin: self._pin,
+            R.SetBackgroundRate: self._set_background_rate,
+            R.SetLogLevel: self._set_log_level,
+            R.Metrics: self._metrics,
+        }
+
+    def start(self) -> int:
+        """Fence the previous run (EpochBump on every live session) and start generating."""
+        bumped = self.store.bump_epochs()
+        self.scheduler.start()
+        return bumped
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.generations.stop()
+        self.bus.close()
+
+    # ---- dispatch ----
+
+    async def request(self, request: Any) -> Response:
+        """Answer one non-streaming request."""
+        started = time.perf_counter()
+        name = type(request).__name__
+        try:
+            if isinstance(request, R.Purge):
+                return await self._purge(request)
+            handler = self._handlers.get(type(request))
+            if handler is None:
+                raise DaemonError(f"{name} is not served by this version of superfluid")
+            return handler(request)
+        except DaemonError as e:
+            return Response.Err(str(e))
+        finally:
+            self.metrics.requests.labels(verb=name).inc()
+            self.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    def _session(self, session_id: int) -> SessionState:
+        state = self.store.get(session_id)
+        if state is None:
+            raise DaemonError(f"unknown session {session_id}")
+        if state.purged:
+            raise DaemonError(f"session {session_id} was purged")
+        return state
+
+    def _idle(self, state: SessionState) -> None:
+        if state.id in self.running:
+            raise DaemonError(f"session {state.id} is generating; append/generate after it finishes or cancel it")
+        if state.id in self._purging:
+            raise DaemonError(f"session {state.id} is being purged")
+
+    def _commit_one(self, session_id: int, body: EventBody) -> EventMsg:
+        (event,) = self.store.commit([(session_id, body)])
+        self.bus.publish(session_id, [event])
+        return event
+
+    # ---- creating and appending ----
+
+    def _create(self, req: R.Create) -> Response:
+        with self.store.lock:
+            if req.parent is not None:
+                self._session(req.parent)
+            session = self.store.reserve_id()
+            self.store.commit([(session, B.Created(req.parent, req.params))])
+        return Response.Created(session)
+
+    def _append(self, req: R.Append) -> Response:
+        with self.store.lock:
+            state = self._session(req.session)
+            self._idle(state)
+            span = list(req.span) or self.model.tokenize(req.text or "", True)
+            if not span:
+                raise DaemonError("Append needs text or a non-empty span of token ids")
+            bad = next((t for t in span if t >= self.model.n_vocab), None)
+            if bad is not None:
+                raise DaemonError(f"token id {bad} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+            return Response.Committed(self._commit_one(state.id, B.Appended(req.text, span)))
+
+    def _append_message(self, req: R.AppendMessage) -> Response:
+        if req.role > ROLE_ASSISTANT:
+            raise DaemonError(f"unknown message role {req.role}")
+        with self.store.lock:
+            state = self._session(req.session)
+            self._idle(state)
+            span = self._message_span(bool(state.tokens), state.last_input, req.role, req.text)
+            return Response.Committed(self._commit_one(state.id, B.Message(req.role, req.text, span)))
+
+    def _message_span(self, has_input: bool, last_input: EventBody | None, role: int, text: str) -> list[int]:
+        """A message's tokens after the given history: closing a finished turn first."""
+        try:
+            return self._separator(last_input) + self.template.message(role, text, first=not has_input)
+        except TemplateProblem as e:
+            raise DaemonError(str(e)) from None
+
+    def _separator(self, last_input: EventBody | None) -> list[int]:
+        finished = isinstance(last_input, B.Generated) and last_input.finish == FINISH_STOP
+        return self.template.separator() if finished else []
+
+    def _append_system(self, req: R.AppendSystem) -> Response:
+        if req.text is None and not req.tools:
+            raise DaemonError("AppendSystem needs text, tools, or both")
+        try:
+            tools = normalize_tools(req.tools)
+        except ToolDeclarationError as e:
+            raise DaemonError(str(e)) from None
+        with self.store.lock:
+            state = self._session(req.session)
+            self._idle(state)
+            if state.tokens:
+                raise DaemonError(
+                    f"session {state.id} already has a prompt; AppendSystem must come before any other turn"
+                )
+            text = req.text or ""
+            try:
+                if not tools:
+                    span = self.template.message(ROLE_SYSTEM, text, first=True)
+                elif self.template.supports_tools:
+                    span = self.template.framed(self.template.system_with_tools(tools), text)
+                else:
+                    span = self.template.message(ROLE_SYSTEM, fallback_system_text(text, tools), first=True)
+            except TemplateProblem as e:
+                raise DaemonError(str(e)) from None
+            return Response.Committed(self._commit_one(state.id, B.Message(ROLE_SYSTEM, text, span)))
+
+    # ---- reading ----
+
+    def _read(self, req: R.Read) -> Response:
+        with self.store.lock:
+            state = self._session(req.session)
+            return Response.Events(state.events[req.cursor :])
+
+    def _list(self, req: R.List) -> Response:
+        with self.store.lock:
+            return Response.Sessions([s.id for s in self.store.live()])
+
+    def _sessions(self, req: R.Sessions) -> Response:
+        with self.store.lock:
+            return Response.SessionList(
+                [self._summary(s) for s in self.store.live() if req.include_archived or not s.archived]
+            )
+
+    def _tree(self, req: R.Tree) -> Response:
+        with self.store.lock:
+            return Response.Tree([(s.id, s.parent, s.base) for s in self.store.live() if not s.archived])
+
+    def _summary(self, s: SessionState) -> SessionSummary:
+        return SessionSummary(
+            s.id,
+            s.parent,
+            s.base,
+            s.title,
+            s.archived,
+            s.meta_version,
+            s.generation,
+            len(s.events),
+            len(s.tokens),
+            len(s.open_calls),
+        )
+
+    def _inspect(self, req: R.Inspect) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            inspection = Inspection(
+                summary=self._summary(s),
+                params=s.params,
+                epoch=s.epoch,
+                last_finish=s.last_finish,
+                qos_class=s.qos_class,
+                batch_invariant=s.batch_invariant,
+                pin_deadline_unix_ms=s.pin_deadline_unix_ms,
+                behavior_fingerprint=s.fingerprint,
+                open_tool_calls=[(call, name, args) for call, (name, args) in s.open_calls.items()],
+                tier=Tier.Resident() if s.id in self.running else Tier.Cold(),
+                tokens=list(s.tokens),
+                events=list(s.events),
+                wal_version=2,
+                store_id=self.store.store_id,
+            )
+            return Response.Inspection(inspection)
+
+    def _set_meta(self, req: R.SetMeta) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            if req.expected_version != s.meta_version:
+                raise DaemonError(
+                    f"session {s.id} metadata version is {s.meta_version}, command expected {req.expected_version}"
+                )
+            version = req.expected_version + 1
+            self._commit_one(s.id, B.MetaUpdated(version, req.title, req.archived))
+            return Response.Meta(version)
+
+    # ---- branching ----
+
+    def _fork(self, req: R.Fork) -> Response:
+        with self.store.lock:
+            parent = self._session(req.session)
+            self._check_point(parent, req.at_event)
+            child = self.store.reserve_id()
+            self.store.commit([(child, B.Forked(parent.id, req.at_event, req.params or parent.params))])
+            return Response.Created(child)
+
+    def _check_point(self, s: SessionState, n: int) -> None:
+        if not 1 <= n <= s.next_id:
+            raise DaemonError(f"fork point {n} is outside session {s.id}'s committed events (1..={s.next_id})")
+
+    def _rebase(self, req: R.Rebase) -> Response:
+        with self.store.lock:
+            parent = self._session(req.session)
+            return Response.Created(self._rebase_into(parent, req.edits, req.params))
+
+    def _trim(self, req: R.Trim) -> Response:
+        with self.store.lock:
+            parent = self._session(req.session)
+            self._check_point(parent, req.to_event)
+            if req.to_event == parent.next_id:
+                return self._fork(R.Fork(parent.id, req.to_event, None))
+            return Response.Created(self._rebase_into(parent, [RebaseEdit.Drop(req.to_event, parent.next_id)], None))
+
+    def _rebase_into(self, parent: SessionState, edits: list[Any], params: GenParams | None) -> int:
+        _check_edits(edits, parent.next_id)
+        start = edits[0].from_
+        child = self.store.reserve_id()
+        writes: list[tuple[int, EventBody]] = [(child, B.Rebased(parent.id, start, params or parent.params, edits))]
+        inherited = parent.events[:start]
+        has_input = any(isinstance(e.body, TOKEN_BEARING) and e.body.span for e in inherited)
+        last_input = next((e.body for e in reversed(inherited) if isinstance(e.body, TOKEN_BEARING)), None)
+        calls = {e.event_id for e in inherited if isinstance(e.body, B.ToolUse)}
+        remap: dict[int, int] = {}
+        next_id = start + 1
+        ranges = iter(edits)
+        edit = next(ranges, None)
+        for event in parent.events[start:]:
+            while edit is not None and event.event_id >= edit.to:
+                edit = next(ranges, None)
+            body: EventBody | None
+            if edit is not None and edit.from_ <= event.event_id < edit.to:
+                if not (isinstance(edit, RebaseEdit.Replace) and event.event_id == edit.from_):
+                    continue
+                span = self._message_span(has_input, last_input, edit.role, edit.text)
+                body = B.Message(edit.role, edit.text, span)
+            else:
+                body = _copy(event, calls, remap)
+            if body is None:
+                continue
+            if isinstance(body, B.ToolUse):
+                remap[event.event_id] = next_id
+                calls.add(next_id)
+            if isinstance(body, TOKEN_BEARING):
+                has_input = has_input or bool(body.span)
+                last_input = body
+            writes.append((child, body))
+            next_id += 1
+        self.store.commit(writes)
+        return child
+
+    # ---- generation ----
+
+    def generate(self, req: R.Generate, *, provisional: bool) -> Generation:
+        """Start a generation; its outcomes arrive by iterating the returned `Generation`."""
+        with self.store.lock:
+            s = self._session(req.session)
+            if s.id in self._purging:
+                raise DaemonError(f"session {s.id} is being purged")
+            if s.permissions:
+                raise DaemonError(f"session {s.id} has an open permission request; answer it before generating")
+            if not s.tokens:
+                raise DaemonError(f"session {s.id} has no content to generate from")
+            opener = self._opener(s.last_input)
+            total = len(s.tokens) + len(opener)
+            if total >= self.window:
+                raise DaemonError(
+                    f"this model's maximum context length is {self.window} tokens, but your request has "
+                    f"{total} tokens; shorten the prompt or drop earlier turns"
+                )
+            if req.max_tokens == 0:
+                return Generation(None, None, Done([], 0, 0, 0))
+            self._idle(s)
+            writes: list[tuple[int, EventBody]] = []
+            if s.fingerprint != self.fingerprint:
+                writes.append((s.id, B.GenerationFingerprint(self.fingerprint)))
+            if opener:
+                writes.append((s.id, B.GenerationPrompt(opener)))
+            if writes:
+                self.bus.publish(s.id, self.store.commit(writes))
+            listener = QueueListener()
+            run = GenerationRun(
+                s.id,
+                list(s.tokens),
+                s.params,
+                req.max_tokens,
+                qos=s.qos_class,
+                splitter=ChannelSplitter(self.model.pieces),
+                listener=listener,
+                provisional=provisional,
+                publisher=self.bus,
+            )
+            job = run.job
+            self.running[s.id] = run
+            self.generations.add(run)
+            self.metrics.generations.inc()
+        self.scheduler.submit(job)
+        return Generation(listener, run)
+
+    def _opener(self, last_input: EventBody | None) -> list[int]:
+        """The assistant opener a generation needs, or none when it continues an open turn."""
+        if isinstance(last_input, B.Generated):
+            return self.template.separator() + self.template.opener() if last_input.finish == FINISH_STOP else []
+        if isinstance(last_input, (B.Message, B.ToolResult, B.Block)):
+            return self.template.opener()
+        return []
+
+    def _release(self, run: GenerationRun) -> None:
+        """Committer thread: the run's last event is durable; the session takes requests again."""
+        with self.store.lock:
+            if self.running.get(run.session) is run:
+                del self.running[run.session]
+        self.metrics.tokens_generated.inc(run.job.generated)
+        self.metrics.warm_prefix_tokens.inc(run.job.warm_prefix)
+
+    def _cancel(self, req: R.Cancel) -> Response:
+        run = self.running.get(req.session)
+        if run is None:
+            self._session(req.session)
+            raise DaemonError(f"session {req.session} has no generation in flight")
+        self.scheduler.cancel(run.job)
+        return Response.Cancelling()
+
+    # ---- scheduling ----
+
+    def _set_qos(self, req: R.SetQos) -> Response:
+        if req.class_ > 3:
+            raise DaemonError(f"unknown QoS class {req.class_} (0 interactive .. 3 background)")
+        with self.store.lock:
+            s = self._session(req.session)
+            event = self._commit_one(s.id, B.QosSet(req.class_, req.batch_invariant))
+        log.debug("session %d qos %s", s.id, QOS_NAMES[req.class_])
+        return Response.Committed(event)
+
+    def _pin(self, req: R.Pin) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            deadline = now_ms() + req.ttl_ms if req.ttl_ms else 0
+            self._commit_one(s.id, B.Pinned(deadline))
+            return Response.Pinned(deadline)
+
+    def _set_background_rate(self, req: R.SetBackgroundRate) -> Response:
+        self.scheduler.background_divisor = max(req.divisor, 1)
+        return Response.Ack()
+
+    def _set_log_level(self, req: R.SetLogLevel) -> Response:
+        try:
+            set_log_directive(req.directive)
+        except ValueError as e:
+            raise DaemonError(f"generation failed: {e}") from None
+        return Response.Ack()
+
+    def _metrics(self, req: R.Metrics) -> Response:
+        return Response.Text(self.metrics.exposition())
+
+    # ---- purge ----
+
+    async def _purge(self, req: R.Purge) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            if req.expected_generation != s.generation:
+                raise DaemonError(
+                    f"session {s.id} generation is {s.generation}, command expected {req.expected_generation}"
+                )
+            cascade = isinstance(req.mode, PurgeMode.Cascade)
+            descendants = self._descendants(s) if cascade else []
+            targets = [*descendants, s.id]
+            if self._purging.intersection(targets):
+                raise DaemonError(f"session {s.id} is being purged")
+            self._purging.update(targets)
+        try:
+            await self._quiesce(targets)
+            with self.store.lock:
+                writes: list[tuple[int, EventBody]] = []
+                for target in targets:
+                    state = self._session(target)
+                    writes += [(target, B.ToolExpired(call, "purged")) for call in state.open_calls]
+                if not cascade:
+                    for child_id in list(s.children):
+                        child = self.store.get(child_id)
+                        if child is not None and not child.purged:
+                            prefix = [(e.event_id, e.body) for e in child.events[: child.base]]
+                            writes.append((child_id, B.Rerooted(s.id, prefix)))
+                for target in targets:
+                    state = self._session(target)
+                    writes.append((target, B.Purged(state.generation + 1, req.mode)))
+                self.store.commit(writes)
+        finally:
+            self._purging.difference_update(targets)
+        for target in targets:
+            self.bus.end_session(target, END_PURGED)
+        return Response.Purged(targets)
+
+    def _descendants(self, s: SessionState) -> list[int]:
+        """Every live descendant, deepest first (reverse depth-first order)."""
+        order: list[int] = []
+        stack = [s]
+        while stack:
+            node = stack.pop()
+            for child_id in node.children:
+                child = self.store.get(child_id)
+                if child is not None and not child.purged:
+                    order.append(child_id)
+                    stack.append(child)
+        return order[::-1]
+
+    async def _quiesce(self, targets: list[int]) -> None:
+        for target in targets:
+            run = self.running.get(target)
+            if run is not None:
+                self.scheduler.cancel(run.job)
+        deadline = time.monotonic() + PURGE_WAIT_S
+        while any(t in self.running for t in targets):
+            if time.monotonic() > deadline:
+                busy = next(t for t in targets if t in self.running)
+                raise DaemonError(f"session {busy} did not quiesce for purge (lane still running)")
+            await asyncio.sleep(0.005)
+
+
+def _check_edits(edits: list[Any], next_id: int) -> None:
+    def invalid(why: str) -> DaemonError:
+        return DaemonError(f"rebase edit spec invalid: {why}")
+
+    if not edits:
+        raise invalid("no edits")
+    previous_end = 0
+    for edit in edits:
+        if edit.from_ == 0:
+            raise invalid("edits never include Created (id 0)")
+        if edit.from_ >= edit.to:
+            raise invalid("empty range")
+        if edit.to > next_id:
+            raise invalid("range beyond the parent's committed events")
+        if edit.from_ < previous_end:
+            raise invalid("ranges must be sorted and non-overlapping")
+        if isinstance(edit, RebaseEdit.Replace) and edit.role > ROLE_ASSISTANT:
+            raise DaemonError(f"unknown message role {edit.role}")
+        previous_end = edit.to
+
+
+def _copy(event: EventMsg, calls: set[int], remap: dict[int, int]) -> EventBody | None:
+    """The record a rebased branch gets for one of its parent's later events, or None."""
+    body = event.body
+    if isinstance(
+        body, (B.Appended, B.Message, B.GenerationPrompt, B.Generated, B.ToolUse, B.ToolParseFailure, B.Block)
+    ):
+        return body
+    if isinstance(body, B.ToolResult):
+        call = remap.get(body.call_id, body.call_id)
+        if call in calls:
+            return B.ToolResult(call, body.content, body.span)
+        return B.Message(3, body.content, body.span)
+    return None
+
+
+def _fingerprint(model: Any, template: ChatTemplate) -> int:
+    """What generated a session's tokens: the model file and its template."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(str(model.name).encode())
+    digest.update(str(getattr(model, "size", 0)).encode())
+    digest.update(template.source.encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+__all__ = ["Committed", "Daemon", "DaemonError", "Done", "Failed", "Generation", "Provisional"]

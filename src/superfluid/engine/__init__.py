@@ -1,0 +1,1 @@
+"""llama.cpp: the model, its context of KV slots, and the sampler."""

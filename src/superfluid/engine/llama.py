@@ -1,0 +1,252 @@
+"""llama.cpp through llama-cpp-python's low-level API: a model, and one context whose
+KV memory is split into slots, one per sequence id.
+
+The engine knows token ids, positions and sequence ids, nothing about sessions. Each
+sequence has a KV stream of its own (`kv_unified` off) and attention runs without flash
+attention, so a sequence's logits depend only on its own tokens: batched, chunked and
+solo decodes agree bit for bit, and so do a fork and a re-prefill after a restart.
+A fork copies its source's stream (a memory copy inside llama.cpp, milliseconds)
+instead of recomputing it. Every call into llama.cpp is a ctypes call, which releases
+the GIL while it runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+
+log = logging.getLogger("superfluid.engine")
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def _llama_log(level: int, text: bytes, _user: object) -> None:
+    if level < 3:  # below GGML_LOG_LEVEL_WARN: llama.cpp's load chatter stays out of our log
+        return
+    message = text.decode("utf-8", "replace").rstrip()
+    if message:
+        log.debug("llama.cpp: %s", message)
+
+
+_LOG_CALLBACK = L.llama_log_callback(_llama_log)
+
+
+def _backend_init() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            L.llama_log_set(_LOG_CALLBACK, None)
+            L.llama_backend_init()
+            _initialised = True
+
+
+class EngineError(RuntimeError):
+    """llama.cpp refused an operation."""
+
+
+class KVFull(EngineError):
+    """The KV pool has no room for the batch."""
+
+
+class LlamaModel:
+    """The weights and vocabulary of one GGUF file."""
+
+    def __init__(self, path: Path) -> None:
+        _backend_init()
+        self.path = path
+        params = L.llama_model_default_params()
+        self._model = L.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {path} (is it a GGUF model file?)")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.metadata = self._read_metadata()
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
+        self.bos = L.llama_vocab_bos(self._vocab)
+        self.eos = L.llama_vocab_eos(self._vocab)
+        self.size = path.stat().st_size
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        self.name = self.metadata.get("general.name") or path.stem
+        self.chat_template = self.metadata.get("tokenizer.chat_template")
+        self.pieces = [self._piece(t, special=False) for t in range(self.n_vocab)]
+        self.special_pieces = [self._piece(t, special=True) for t in range(self.n_vocab)]
+        self.end_of_generation = np.array(
+            [bool(L.llama_vocab_is_eog(self._vocab, t)) for t in range(self.n_vocab)], dtype=bool
+        )
+        self.fim = {
+            "prefix": L.llama_vocab_fim_pre(self._vocab),
+            "suffix": L.llama_vocab_fim_suf(self._vocab),
+            "middle": L.llama_vocab_fim_mid(self._vocab),
+        }
+
+    def _read_metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 20)
+        for i in range(L.llama_model_meta_count(self._model)):
+            if L.llama_model_meta_key_by_index(self._model, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+                continue
+            if L.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf)) < 0:
+                continue
+            out[key] = buf.value.decode("utf-8", "replace")
+        return out
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        """Token ids of `text`; `special` parses marker text such as `<|im_end|>` as its token."""
+        if not text:
+            return []
+        raw = text.encode("utf-8")
+        room = len(raw) + 16
+        out = (L.llama_token * room)()
+        n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, False, special)
+        if n < 0:
+            room = -n
+            out = (L.llama_token * room)()
+            n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, False, special)
+        return list(out[:n])
+
+    def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
+        table = self.special_pieces if special else self.pieces
+        return b"".join(table[t] for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        return self.special_pieces[token].decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    """How a context is sized: tokens per sequence slot, slots, batch size, threads."""
+
+    window: int
+    sequences: int
+    batch: int
+    threads: int
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.window * self.sequences
+
+
+class LlamaContext:
+    """One llama.cpp context: a KV slot per sequence id, decoded in batches."""
+
+    def __init__(self, model: LlamaModel, shape: ContextShape) -> None:
+        self.model = model
+        self.shape = shape
+        params = L.llama_context_default_params()
+        params.n_ctx = shape.pool_tokens
+        params.n_batch = shape.batch
+        params.n_ubatch = shape.batch
+        params.n_seq_max = shape.sequences
+        params.n_threads = shape.threads
+        params.n_threads_batch = shape.threads
+        # One KV stream per sequence, and plain attention: each sequence's cells sit in
+        # position order in a stream of its own, so its arithmetic never depends on
+        # other sequences (flash attention's CPU kernels change their summation order
+        # with the batch shape, and a shared pool interleaves the cells).
+        params.kv_unified = False
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self._ctx = L.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {shape.sequences} slots of {shape.window} tokens"
+            )
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_vocab = model.n_vocab
+        size = shape.batch
+        self._tokens = np.zeros(size, dtype=np.int32)
+        self._pos = np.zeros(size, dtype=np.int32)
+        self._n_seq = np.ones(size, dtype=np.int32)
+        self._seq = np.zeros(size, dtype=np.int32)
+        self._logits = np.zeros(size, dtype=np.int8)
+        seq_ptrs = (ctypes.POINTER(L.llama_seq_id) * size)()
+        base = self._seq.ctypes.data
+        for i in range(size):
+            seq_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(L.llama_seq_id))
+        self._seq_ptrs = seq_ptrs
+        self._batch = L.llama_batch()
+        self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
+        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        self._batch.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """Run one batch; returns the logits rows of the entries flagged in `want`, in order.
+
+        The rows are a view into llama.cpp's buffer: read them before the next decode.
+        """
+        n = len(tokens)
+        if n == 0 or n > self.shape.batch:
+            raise EngineError(f"a batch holds 1 to {self.shape.batch} tokens, not {n}")
+        self._tokens[:n] = tokens
+        self._pos[:n] = positions
+        self._seq[:n] = seqs
+        self._logits[:n] = want
+        self._batch.n_tokens = n
+        status = L.llama_decode(self._ctx, self._batch)
+        if status == 1:
+            raise KVFull("no room in the KV pool for this batch")
+        if status != 0:
+            raise EngineError(f"llama_decode failed with status {status}")
+        rows = int(np.count_nonzero(want))
+        if rows == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        pointer = L.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Make `target` hold `source`'s positions [0, length); the copy runs at the next decode."""
+        L.llama_memory_seq_cp(self._mem, source, target, -1, -1)
+        self.truncate(target, length)
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Drop `seq`'s positions from `length` on (0 drops the whole sequence)."""
+        if not L.llama_memory_seq_rm(self._mem, seq, length if length > 0 else -1, -1):
+            raise EngineError(f"llama.cpp could not truncate sequence {seq} at {length}")
+
+    def length(self, seq: int) -> int:
+        """Positions held by `seq` (0 when it holds none)."""
+        return L.llama_memory_seq_pos_max(self._mem, seq) + 1
+
+    def export(self, seq: int) -> bytes:
+        """The KV state of `seq`, to keep in host memory."""
+        size = L.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = L.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return bytes(buf[:written])
+
+    def restore(self, seq: int, data: bytes) -> None:
+        """Load a state from `export` into `seq` (which must be empty)."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if L.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
+            raise KVFull("no room in the KV pool to restore a cached prefix")
+
+    def close(self) -> None:
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None

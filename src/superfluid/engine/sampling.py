@@ -1,0 +1,86 @@
+"""Token sampling from one row of logits, with draws keyed by stream position.
+
+The uniform draw for the token at absolute position p of a session is
+`splitmix64(seed + p)` mapped to [0, 1): a continuation, a resume or a fork that keeps
+the seed draws exactly the numbers the uncut run drew. Temperature 0 is greedy (argmax,
+ties to the lowest token id). Otherwise the candidates are the softmax of
+logits / temperature in order of probability (ties to the lower id), cut by top-k, by
+min-p (probability at least min_p times the best one) and by top-p (the shortest
+prefix whose mass reaches top_p); the draw walks the cumulative mass of what is left.
+Only as much of the vocabulary is sorted as the draw needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol.schema import GenParams
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw in [0, 1) for the token at `position` of a stream sampled with `seed`."""
+    return (splitmix64((seed + position) & MASK64) >> 11) / float(1 << 53)
+
+
+def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
+    """Choose the token for stream position `position` from a row of logits."""
+    if params.temperature <= 0.0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    vocab = probs.shape[0]
+    limit = params.top_k if 0 < params.top_k < vocab else vocab
+    if params.min_p > 0.0:
+        limit = min(limit, int(np.count_nonzero(probs >= params.min_p * probs.max())))
+    top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
+    u = uniform(params.seed, position)
+    size = 64
+    while True:
+        m = min(size, limit)
+        best = _best(probs, m)
+        cumulative = np.cumsum(probs[best])
+        keep = None
+        if top_p is not None:
+            hit = int(np.searchsorted(cumulative, top_p))
+            if hit < m:
+                keep = hit + 1
+        if keep is None and m == limit:
+            keep = m
+        if keep is not None:
+            target = u * cumulative[keep - 1]
+            return int(best[min(int(np.searchsorted(cumulative[:keep], target, side="right")), keep - 1)])
+        if top_p is None:
+            # the cut is the `limit` best: its mass is known without sorting it all
+            target = u * _mass_of_best(probs, limit)
+            if cumulative[-1] > target:
+                return int(best[int(np.searchsorted(cumulative, target, side="right"))])
+        size *= 8
+
+
+def _best(probs: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the m most probable tokens, by probability then lower id."""
+    n = probs.shape[0]
+    if m >= n:
+        candidates = np.arange(n)
+    else:
+        threshold = np.partition(probs, n - m)[n - m]
+        candidates = np.flatnonzero(probs >= threshold)
+    order = np.lexsort((candidates, -probs[candidates]))
+    return candidates[order][:m]
+
+
+def _mass_of_best(probs: np.ndarray, m: int) -> float:
+    n = probs.shape[0]
+    if m >= n:
+        return float(probs.sum())
+    return float(probs[_best(probs, m)].sum())

@@ -1,0 +1,241 @@
+"""Generations in flight: sampled tokens in, committed events out.
+
+A `GenerationRun` is one Generate on one session. The scheduler thread feeds it tokens
+(classified into channels as they come, and offered as provisional text at once); at
+the end of each scheduler tick `Generations.on_tick` gathers every run's new tokens
+into `Generated` records (one per channel run) and hands them to the committer thread,
+which writes the whole tick in one transaction and only then delivers the events.
+Nothing reaches a listener before it is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .metrics import Metrics
+from .model.channels import ChannelSplitter, Piece
+from .protocol.schema import (
+    CHANNEL_REASONING,
+    CHANNEL_TEXT,
+    FINISH_ERROR,
+    EventBody,
+    EventMsg,
+    GenParams,
+)
+from .scheduler.scheduler import Job
+from .store.sessions import SessionStore
+
+log = logging.getLogger("superfluid.generation")
+B = EventBody
+
+
+@dataclass(frozen=True)
+class Committed:
+    """An event of the generation, durable."""
+
+    event: EventMsg
+
+
+@dataclass(frozen=True)
+class Provisional:
+    """Text ahead of its commit."""
+
+    channel: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation ended; `events` are every event it delivered, in order."""
+
+    events: list[EventMsg]
+    tokens_generated: int
+    finish: int
+    warm_prefix: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation ended in an error."""
+
+    message: str
+
+
+Outcome = Committed | Provisional | Done | Failed
+
+
+class Listener(Protocol):
+    """Where a run's outcomes go; `put` is called from daemon threads."""
+
+    def put(self, item: Outcome) -> None: ...
+
+
+class Publisher(Protocol):
+    """The session event bus: committed events and provisional text, per session."""
+
+    def publish(self, session: int, events: list[EventMsg]) -> None: ...
+
+    def provisional(self, session: int, channel: int, text: str) -> None: ...
+
+
+class GenerationRun:
+    """One Generate on one session, from submission to its last committed event."""
+
+    def __init__(
+        self,
+        session: int,
+        tokens: list[int],
+        params: GenParams,
+        max_tokens: int,
+        *,
+        qos: int,
+        splitter: ChannelSplitter,
+        listener: Listener,
+        provisional: bool,
+        publisher: Publisher,
+    ) -> None:
+        self.session = session
+        self.job = Job(tokens, params, max_tokens, sink=self, qos=qos)
+        self.splitter = splitter
+        self.listener = listener
+        self.provisional = provisional
+        self.publisher = publisher
+        self.delivered: list[EventMsg] = []
+        self.finish: int | None = None
+        self.error: str | None = None
+        self._pending: list[Piece] = []
+        self.submitted = time.monotonic()
+        self.first_commit: float | None = None
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self._pending) or self.finish is not None
+
+    # ---- scheduler thread ----
+
+    def tokens(self, job: Job, tokens: list[int]) -> None:
+        for token in tokens:
+            piece = self.splitter.feed(token)
+            self._pending.append(piece)
+            if piece.text and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
+                if self.provisional:
+                    self.listener.put(Provisional(piece.channel, piece.text))
+                self.publisher.provisional(self.session, piece.channel, piece.text)
+
+    def finished(self, job: Job, finish: int, error: str | None) -> None:
+        self.finish = finish
+        self.error = error
+
+    def drain(self) -> list[EventBody]:
+        """The records this run's new tokens make; the last one carries the finish code."""
+        bodies: list[EventBody] = []
+        pending, self._pending = self._pending, []
+        channel = self.splitter.channel
+        span: list[int] = []
+        text: list[str] = []
+        for piece in pending:
+            if span and piece.channel != channel:
+                bodies.append(B.Generated(span, "".join(text), channel, 0))
+                span, text = [], []
+            channel = piece.channel
+            span.append(piece.token)
+            text.append(piece.text)
+            if piece.closes:
+                bodies.append(B.Generated(span, "".join(text), channel, 0))
+                span, text = [], []
+        if self.finish is not None:
+            text.append(self.splitter.flush())
+            bodies.append(B.Generated(span, "".join(text), channel, self.finish))
+        elif span:
+            bodies.append(B.Generated(span, "".join(text), channel, 0))
+        return bodies
+
+    # ---- committer thread ----
+
+    def deliver(self, events: list[EventMsg]) -> None:
+        self.delivered.extend(events)
+        for event in events:
+            self.listener.put(Committed(event))
+        self.publisher.publish(self.session, events)
+
+    def conclude(self) -> None:
+        if self.finish == FINISH_ERROR and self.error:
+            self.listener.put(Failed(self.error))
+        else:
+            self.listener.put(Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix))
+
+
+class Generations:
+    """Every run in flight, and the committer thread that makes their output durable."""
+
+    def __init__(self, store: SessionStore, release: Callable[[GenerationRun], None], metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._release = release
+        self._runs: list[GenerationRun] = []
+        self._runs_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[list[tuple[GenerationRun, list[EventBody], bool]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._commit_loop, name="superfluid-committer", daemon=True)
+        self._thread.start()
+
+    def add(self, run: GenerationRun) -> None:
+        with self._runs_lock:
+            self._runs.append(run)
+
+    def on_tick(self) -> None:
+        """Scheduler thread, at the end of each tick: queue the tick's records for commit."""
+        with self._runs_lock:
+            runs = list(self._runs)
+        batch = []
+        for run in runs:
+            if not run.has_output:
+                continue
+            final = run.finish is not None
+            bodies = run.drain()
+            if bodies or final:
+                batch.append((run, bodies, final))
+            if final:
+                with self._runs_lock:
+                    self._runs.remove(run)
+        if batch:
+            self._queue.put(batch)
+
+    def _commit_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            writes = [(run.session, body) for run, bodies, _ in batch for body in bodies]
+            started = time.perf_counter()
+            try:
+                events = self.store.commit(writes)
+            except Exception as e:  # the disk refused: nothing of this tick is durable
+                log.exception("committing a tick failed")
+                for run, _, final in batch:
+                    run.job.cancelled = True
+                    if final:
+                        run.finish, run.error = FINISH_ERROR, f"io: {e}"
+                        self._release(run)
+                        run.conclude()
+                continue
+            self.metrics.commit_seconds.observe(time.perf_counter() - started)
+            offset = 0
+            for run, bodies, final in batch:
+                if run.first_commit is None and bodies:
+                    run.first_commit = time.monotonic()
+                    self.metrics.ttft_seconds.observe(run.first_commit - run.submitted)
+                run.deliver(events[offset : offset + len(bodies)])
+                offset += len(bodies)
+                if final:
+                    self._release(run)
+                    run.conclude()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)

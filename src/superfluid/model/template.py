@@ -1,0 +1,138 @@
+"""The model's chat template, turned into token spans one turn at a time.
+
+The GGUF's Jinja template is rendered in a sandbox with each message's content replaced
+by a sentinel. The template's own text around the sentinels is tokenized with special
+tokens parsed; the content is tokenized as plain text, so marker-shaped text a user
+sends (`<|im_end|>`) stays ordinary tokens and cannot forge a turn.
+
+At load the template is probed once per role to learn each turn's frame: what it puts
+before and after a message's content, as the first message and as a later one, the
+assistant opener (`add_generation_prompt`), and the separator that closes a finished
+assistant turn. A session's input is then built append-only from those frames.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..protocol.schema import ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
+
+Tokenize = Callable[[str, bool], list[int]]  # (text, parse_special) -> token ids
+
+_SENTINEL = "\u2063SFCONTENT{}\u2063"
+_SENTINEL_RE = re.compile("\u2063SFCONTENT(\\d+)\u2063")
+
+# ChatML, for a GGUF that carries no template of its own.
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateProblem(ValueError):
+    """The chat template cannot render what was asked of it."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Template text around one message's content: `before` + content + `after`."""
+
+    before: str
+    after: str
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    """A model's chat template, probed at load into per-role frames."""
+
+    def __init__(self, source: str, tokenize: Tokenize, *, bos_text: str = "", eos_text: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+        self.source = source
+        self._template = env.from_string(source)
+        self._tokenize = tokenize
+        self._bos_text = bos_text
+        self._eos_text = eos_text
+        self.supports_tools = "tools" in source
+        probe = {"role": "system", "content": "sf-probe"}
+        self._first: dict[int, Frame] = {}
+        self._later: dict[int, Frame] = {}
+        for role, name in ROLE_NAMES.items():
+            try:
+                self._first[role] = self._frame([], name)
+                self._later[role] = self._frame([probe], name)
+            except (TemplateError, TemplateProblem):
+                continue  # the template refuses this role; messages of it fall back (see frame_for)
+        if ROLE_USER not in self._later:
+            raise TemplateProblem("the chat template cannot render a user message after a system message")
+        base = [probe, {"role": "user", "content": "sf-probe"}]
+        closed = self.render(base, add_generation_prompt=False)
+        opened = self.render(base, add_generation_prompt=True)
+        if not opened.startswith(closed):
+            raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
+        self.opener_text = opened[len(closed) :]
+        self.separator_text = self._later[2].after if 2 in self._later else self._later[ROLE_USER].after
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, **extra: Any) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_text,
+                eos_token=self._eos_text,
+                **extra,
+            )
+        except TemplateError as e:
+            raise TemplateProblem(f"the chat template failed to render: {e}") from None
+
+    def _frame(self, history: list[dict[str, Any]], role: str, **extra: Any) -> Frame:
+        mark = _SENTINEL.format(0)
+        before_text = self.render(history, add_generation_prompt=False, **extra) if history else ""
+        text = self.render([*history, {"role": role, "content": mark}], add_generation_prompt=False, **extra)
+        if not text.startswith(before_text) or text.count(mark) != 1:
+            raise TemplateProblem(f"the chat template does not render a {role} turn append-only")
+        before, after = text[len(before_text) :].split(mark)
+        return Frame(before, after)
+
+    def frame_for(self, role: int, first: bool) -> Frame:
+        """The frame of a message of `role`, as the session's first input or a later one."""
+        frames = self._first if first else self._later
+        if role in frames:
+            return frames[role]
+        if role == ROLE_SYSTEM:
+            # templates without a system role: its text becomes a user turn
+            return frames[ROLE_USER]
+        raise TemplateProblem(f"the chat template has no {ROLE_NAMES.get(role, role)} role")
+
+    def message(self, role: int, text: str, *, first: bool) -> list[int]:
+        """Tokens of one message: template text with specials, content as plain text."""
+        frame = self.frame_for(role, first)
+        return self.framed(frame, text)
+
+    def framed(self, frame: Frame, text: str) -> list[int]:
+        return self._tokenize(frame.before, True) + self._tokenize(text, False) + self._tokenize(frame.after, True)
+
+    def system_with_tools(self, tools: list[dict[str, Any]]) -> Frame:
+        """The frame of a first system turn that declares `tools` through the template."""
+        return self._frame([], "system", tools=tools)
+
+    def opener(self) -> list[int]:
+        """Tokens that open an assistant turn after an input turn."""
+        return self._tokenize(self.opener_text, True)
+
+    def separator(self) -> list[int]:
+        """Tokens that close a finished assistant turn (its end-of-turn is never in a span)."""
+        return self._tokenize(self.separator_text, True)

@@ -1,0 +1,1 @@
+"""Continuous batching over KV slots, and the prefix cache that seeds new lanes."""

@@ -1,0 +1,112 @@
+"""`superfluid serve`: load the model, open the sessions, serve until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+from . import __version__
+from .config import ServeConfig
+from .daemon import Daemon
+from .engine.llama import ContextShape, LlamaContext, LlamaModel
+from .metrics import Metrics
+from .model.resolve import resolve_model
+from .model.template import CHATML, ChatTemplate
+from .scheduler.scheduler import Scheduler
+from .store.sessions import SessionStore
+from .transports.socket import SocketServer
+
+log = logging.getLogger("superfluid")
+
+# KV slots beyond the lanes: they keep finished prefixes for forks and continuations.
+SPARE_SLOTS = 4
+BATCH_TOKENS = 512
+
+
+@dataclass
+class Loaded:
+    """A model ready to serve: weights, template and the context that runs them."""
+
+    model: LlamaModel
+    template: ChatTemplate
+    context: LlamaContext
+    window: int
+    name: str
+
+
+def load(config: ServeConfig) -> Loaded:
+    resolved = resolve_model(config.model, offline=config.offline)
+    model = LlamaModel(resolved.path)
+    source = model.chat_template or CHATML
+    if model.chat_template is None:
+        log.warning("%s carries no chat template; using ChatML", resolved.path.name)
+    template = ChatTemplate(
+        source,
+        model.tokenize,
+        bos_text=model.token_text(model.bos) if model.bos >= 0 else "",
+        eos_text=model.token_text(model.eos) if model.eos >= 0 else "",
+    )
+    trained = model.n_ctx_train or 8192
+    window = config.max_context or min(trained, 8192)
+    if window > trained:
+        log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, resolved.name)
+    shape = ContextShape(
+        window=window,
+        sequences=min(config.max_batch + SPARE_SLOTS, 256),
+        batch=BATCH_TOKENS,
+        threads=config.threads,
+    )
+    context = LlamaContext(model, shape)
+    return Loaded(model, template, context, window, resolved.name)
+
+
+async def serve(config: ServeConfig) -> int:
+    loaded = load(config)
+    store = SessionStore(config.sessions)
+    scheduler = Scheduler(
+        loaded.context,
+        lanes=config.max_batch,
+        window=loaded.window,
+        tick_ms=config.tick_ms,
+        prefill_chunk=config.prefill_chunk,
+    )
+    daemon = Daemon(store, loaded.model, loaded.template, scheduler, window=loaded.window, metrics=Metrics())
+    bumped = daemon.start()
+    socket_server = SocketServer(daemon, config.socket)
+    await socket_server.start()
+    print(
+        f"superfluid {__version__}: serving {loaded.name} ({loaded.model.path}) with {config.max_batch} lanes"
+        f" of {loaded.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
+        flush=True,
+    )
+    if not config.no_http:
+        log.info(
+            "the OpenAI, Anthropic and Ollama HTTP routes are not in this version; --http %s is unused", config.http
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        await socket_server.stop()
+        daemon.stop()
+        store.close()
+    return 0
+
+
+def run(config: ServeConfig) -> int:
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # start-up failures: say what and exit 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.exception("serve failed")
+        print(f"superfluid: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""The durable session log and the state replayed from it."""

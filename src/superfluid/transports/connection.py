@@ -1,0 +1,103 @@
+"""One client connection's request loop, shared by the socket and the WebSocket.
+
+Requests run strictly one at a time, in order: a Generate streams its `Delta` frames
+and its `Generated` summary before the next request starts. Subscriptions deliver on
+their own tasks, so their frames interleave with other replies; the transport's `send`
+writes each frame whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from ..bus import END_UNSUBSCRIBED, SubEnded, SubEvent, SubItem, Subscription
+from ..daemon import Daemon, DaemonError
+from ..generation import Committed, Done, Failed
+from ..protocol.schema import Request, Response
+
+log = logging.getLogger("superfluid.transport")
+
+Send = Callable[[Response], Awaitable[None]]
+
+
+class Connection:
+    """Runs one connection's requests against the daemon."""
+
+    def __init__(self, daemon: Daemon, send: Send) -> None:
+        self.daemon = daemon
+        self.send = send
+        self._subs: dict[int, tuple[Subscription, asyncio.Task[None]]] = {}
+        self._generation = None
+
+    async def handle(self, request: object) -> None:
+        if isinstance(request, Request.Generate):
+            await self._generate(request)
+        elif isinstance(request, Request.Subscribe):
+            await self._subscribe(request)
+        elif isinstance(request, Request.Unsubscribe):
+            await self._unsubscribe(request)
+        else:
+            await self.send(await self.daemon.request(request))
+
+    async def _generate(self, request: Request.Generate) -> None:
+        try:
+            generation = self.daemon.generate(request, provisional=False)
+        except DaemonError as e:
+            await self.send(Response.Err(str(e)))
+            return
+        self._generation = generation
+        try:
+            async for outcome in generation:
+                if isinstance(outcome, Committed):
+                    await self.send(Response.Delta(outcome.event))
+                elif isinstance(outcome, Done):
+                    await self.send(
+                        Response.Generated(
+                            outcome.events, outcome.tokens_generated, outcome.finish, outcome.warm_prefix
+                        )
+                    )
+                elif isinstance(outcome, Failed):
+                    await self.send(Response.Err(outcome.message))
+        finally:
+            self._generation = None
+
+    async def _subscribe(self, request: Request.Subscribe) -> None:
+        try:
+            sub = self.daemon.subscribe(request.session, request.cursor, request.provisional)
+        except DaemonError as e:
+            await self.send(Response.Err(str(e)))
+            return
+        await self.send(Response.Subscribed(sub.id))
+        self._subs[sub.id] = (sub, asyncio.create_task(self._pump(sub)))
+
+    async def _pump(self, sub: Subscription) -> None:
+        while True:
+            item: SubItem = await sub.queue.get()
+            if isinstance(item, SubEvent):
+                await self.send(Response.SubEvent(sub.id, item.event))
+            elif isinstance(item, SubEnded):
+                self._subs.pop(sub.id, None)
+                await self.send(Response.SubEnded(sub.id, item.reason))
+                return
+            else:
+                await self.send(Response.SubProvisional(sub.id, item.channel, item.text))
+
+    async def _unsubscribe(self, request: Request.Unsubscribe) -> None:
+        entry = self._subs.get(request.sub)
+        if entry is None:
+            await self.send(Response.Err(f"no subscription {request.sub} on this connection"))
+            return
+        self.daemon.bus.end(entry[0], END_UNSUBSCRIBED)
+        await self.send(Response.Unsubscribed())
+
+    async def close(self) -> None:
+        """The client went away: stop its generation and detach its subscriptions."""
+        generation = self._generation
+        if generation is not None and generation.run is not None:
+            self.daemon.scheduler.cancel(generation.run.job)
+        for sub, task in list(self._subs.values()):
+            self.daemon.bus.detach(sub)
+            task.cancel()
+        self._subs.clear()
