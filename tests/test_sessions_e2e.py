@@ -305,7 +305,11 @@ def test_busy_session_and_cancel_from_another_connection(daemon: DaemonProcess) 
             replies.append(a.receive())
         summary = replies[-1]
         assert summary.finish == FINISH_CANCELLED and summary.events[-1].body.finish == FINISH_CANCELLED
-        # idle again at once: the next request is served
+        # idle again at once, and the cut turn continues with no new opener
+        head = len(b.call(Request.Read(session, 0)).events)
+        _, resumed = generate(b, session, 3)
+        assert resumed.tokens_generated == 3
+        assert "GenerationPrompt" not in kinds(b.call(Request.Read(session, head)).events)
         assert isinstance(b.call(Request.AppendMessage(session, 1, "next")), Response.Committed)
 
 
@@ -379,5 +383,60 @@ def test_sigkill_mid_generation_loses_nothing_seen(tmp_path: Path) -> None:
             after = c.call(Request.Read(session, len(events))).events
             assert "GenerationPrompt" not in kinds(after), "the open turn continues"
             assert summary.tokens_generated == 10 and deltas[0].epoch == bumps[-1].epoch
+    finally:
+        proc.stop()
+
+
+def test_append_system_declares_tools_first(sf: SocketClient) -> None:
+    weather = '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}'
+    session = new_session(sf)
+    event = sf.call(Request.AppendSystem(session, "Answer with the tools.", [weather])).event
+    assert event.body.role == 0 and event.body.text == "Answer with the tools."
+    plain = new_session(sf)
+    bare = sf.call(Request.AppendSystem(plain, "Answer with the tools.", [])).event
+    assert len(event.body.span) > len(bare.body.span), "the tool list is part of the system turn"
+    assert sf.call(Request.AppendSystem(session, None, [weather])) == Response.Err(
+        f"session {session} already has a prompt; AppendSystem must come before any other turn"
+    )
+    child = sf.call(Request.Fork(session, 2, None)).session
+    refused = sf.call(Request.AppendSystem(child, "again", []))
+    assert isinstance(refused, Response.Err) and "already has a prompt" in refused.message
+
+
+def test_everything_survives_a_restart(tmp_path: Path) -> None:
+    proc = DaemonProcess(tmp_path).start()
+    try:
+        params = GenParams(0.7, 0.95, 0.05, 20, 123456789)
+        with proc.client() as c:
+            root = new_session(c, params)
+            say(c, root, "Hello there.")
+            generate(c, root, 6)
+            c.call(Request.SetMeta(root, 0, "greeting", None))
+            child = c.call(Request.Fork(root, 2, None)).session
+            before = {s: c.call(Request.Read(s, 0)).events for s in (root, child)}
+            tree = c.call(Request.Tree()).nodes
+        proc.stop()
+        proc.start()
+        with proc.client() as c:
+            assert c.call(Request.Tree()).nodes == tree
+            for s in (root, child):
+                events = c.call(Request.Read(s, 0)).events
+                assert events[: len(before[s])] == before[s] and kinds(events)[len(before[s]) :] == ["EpochBump"]
+            inspection = c.call(Request.Inspect(root)).inspection
+            assert inspection.params == params and inspection.summary.title == "greeting" and inspection.epoch == 2
+            assert c.call(Request.Create(None, params)).session == child + 1, "ids are never reused"
+    finally:
+        proc.stop()
+
+
+def test_the_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "sf.sock"))
+    stale.close()  # the file stays, as after a kill -9
+    proc = DaemonProcess(tmp_path).start()
+    try:
+        assert (tmp_path / "sf.sock").stat().st_mode & 0o777 == 0o600
+        with proc.client() as c:
+            assert isinstance(c.call(Request.List()), Response.Sessions)
     finally:
         proc.stop()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 from . import __version__
 from .config import DEFAULT_HTTP, DEFAULT_MAX_BATCH, ServeConfig, default_sessions, default_socket
@@ -26,6 +29,31 @@ embedded SmolLM2-135M-Instruct is served, so this works on a machine with no net
 """
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations, suggesting the closest flag for an unknown one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.search(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            close = difflib.get_close_matches(unknown.group(1).split("=")[0], self._flags(), n=1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        super().error(message)
+
+    def _flags(self) -> list[str]:
+        flags = []
+        for action in self._actions:
+            flags += action.option_strings
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += sub._flags()
+        return flags
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -43,11 +71,9 @@ def _context(text: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="superfluid", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="superfluid", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-V", "--version", action="version", version=f"superfluid {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     serve = commands.add_parser(
         "serve",
