@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # this CPU without them.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 
-.PHONY: serve test clean
+.PHONY: serve test chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,16 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/superfluid serve
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/pytest -q
+
+# The browser test drives Debian's chromium with Playwright (no browser download).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+		{ echo "make test needs Debian's chromium for the browser test: apt-get install chromium"; exit 1; }
 
 clean:
 	rm -rf $(VENV)

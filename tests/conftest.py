@@ -118,3 +118,30 @@ def generated_tokens(events: list) -> list[int]:
 
 def text_of(events: list) -> str:
     return "".join(e.body.text for e in events if type(e.body).__name__ == "Generated")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WebDaemon(DaemonProcess):
+    """A daemon with the browser transport on a free loopback port."""
+
+    def __init__(self, root: Path, *extra: str, origins: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        flags = ["--web", f"127.0.0.1:{self.port}"]
+        for origin in origins:
+            flags += ["--web-origin", origin]
+        super().__init__(root, *flags, *extra)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return (self.sessions / "web-token").read_text()
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}", "x-superfluid-csrf": self.token}

@@ -440,3 +440,35 @@ def test_the_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> No
             assert isinstance(c.call(Request.List()), Response.Sessions)
     finally:
         proc.stop()
+
+
+def test_subscribe_on_the_socket(tmp_path: Path) -> None:
+    proc = DaemonProcess(tmp_path).start()
+    try:
+        with proc.client() as watcher, proc.client() as writer:
+            session = new_session(writer)
+            say(writer, session, "Say hello.")
+            assert watcher.call(Request.Subscribe(999, 0, False)) == Response.Err("unknown session 999")
+            subscribed = watcher.call(Request.Subscribe(session, 1, True))
+            assert isinstance(subscribed, Response.Subscribed)
+            sub = subscribed.sub
+            backlog = watcher.receive()
+            assert backlog == Response.SubEvent(sub, writer.call(Request.Read(session, 1)).events[0])
+            deltas, _ = generate(writer, session, 6)
+            live, provisional = [], ""
+            while len(live) < len(deltas) + 2:  # + GenerationFingerprint and GenerationPrompt
+                reply = watcher.receive()
+                if isinstance(reply, Response.SubEvent):
+                    live.append(reply.event)
+                elif isinstance(reply, Response.SubProvisional):
+                    provisional += reply.text
+            assert live[2:] == deltas and provisional == text_of(deltas)
+            # another request on the same connection while the subscription is open
+            watcher.send(Request.List())
+            while not isinstance(reply := watcher.receive(), Response.Sessions):
+                assert isinstance(reply, (Response.SubEvent, Response.SubProvisional))
+            proc.stop()
+            ended = watcher.receive()
+            assert ended == Response.SubEnded(sub, "publisher closed")
+    finally:
+        proc.stop()

@@ -1,9 +1,10 @@
 """Per-session event bus: subscriptions to a session's committed events.
 
 A subscription gets the session's backlog from a cursor, then every event committed
-after it, deduplicated by event id, and (when asked) provisional text. Each subscriber
-has a bounded queue; one that falls 1024 messages behind is dropped with `lagged`.
-Delivery runs on the subscriber's own task, so a slow reader never holds up a commit.
+after it, deduplicated by event id, and (when asked) provisional text. Live items wait
+in a bounded queue while the subscriber's task delivers; a subscriber that falls 1024
+items behind is dropped with `lagged`. Delivery runs on the subscriber's own task, so a
+slow reader never holds up a commit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from .protocol.schema import EventMsg
@@ -51,18 +52,32 @@ class Subscription:
     session: int
     provisional: bool
     loop: asyncio.AbstractEventLoop
+    backlog: list[EventMsg] = field(default_factory=list)
     queue: asyncio.Queue[SubItem] = field(default_factory=asyncio.Queue)
     next_id: int = 0
     ended: bool = False
+
+    async def items(self) -> AsyncIterator[SubItem]:
+        """The backlog, then live items, ending with `SubEnded`."""
+        for event in self.backlog:
+            if event.event_id >= self.next_id:
+                self.next_id = event.event_id + 1
+                yield SubEvent(event)
+        self.backlog = []
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, SubEvent):
+                if item.event.event_id < self.next_id:
+                    continue
+                self.next_id = item.event.event_id + 1
+            yield item
+            if isinstance(item, SubEnded):
+                return
 
     def _push(self, item: SubItem) -> None:
         # runs in the owner's loop
         if self.ended:
             return
-        if isinstance(item, SubEvent):
-            if item.event.event_id < self.next_id:
-                return
-            self.next_id = item.event.event_id + 1
         if isinstance(item, SubEnded):
             self.ended = True
         elif self.queue.qsize() >= QUEUE_LIMIT:
@@ -85,15 +100,15 @@ class Bus:
         """Attach a subscriber; `backlog(cursor)` is read under the bus lock so no event slips between."""
         sub = Subscription(next(self._ids), session, provisional, asyncio.get_running_loop(), next_id=cursor)
         with self._lock:
-            events = backlog(cursor)
+            sub.backlog = backlog(cursor)
             self._subs.setdefault(session, []).append(sub)
-        for event in events:
-            sub._push(SubEvent(event))
         return sub
 
     def _each(self, session: int) -> list[Subscription]:
         with self._lock:
-            return list(self._subs.get(session, ()))
+            subs = self._subs.get(session, [])
+            subs[:] = [s for s in subs if not s.ended]  # lagged ones drop out here
+            return list(subs)
 
     def publish(self, session: int, events: list[EventMsg]) -> None:
         for sub in self._each(session):

@@ -152,8 +152,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging (same as --log-filter debug)")
 
+    _client_commands(commands)
     commands.add_parser("version", help="print the version")
     return parser
+
+
+def _client_commands(commands: Any) -> None:
+    """`session` and `media`: clients of a running daemon's socket."""
+
+    def with_socket(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument(
+            "--socket",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help=f"the daemon's socket (default: {default_socket()})",
+        )
+        return parser
+
+    session = commands.add_parser("session", help="look at sessions of a running daemon")
+    verbs = session.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser, required=True)
+    ls = with_socket(verbs.add_parser("ls", help="list sessions: id, parent, fork point, events, tokens, title"))
+    ls.add_argument("--all", action="store_true", help="include archived sessions")
+    with_socket(verbs.add_parser("tree", help="sessions as a tree of forks"))
+    inspect = with_socket(verbs.add_parser("inspect", help="a session's summary and one line per event"))
+    inspect.add_argument("id", type=int, help="session id")
+    inspect.add_argument("--json", action="store_true", help="the whole Inspection as JSON")
+    export = with_socket(
+        verbs.add_parser(
+            "export",
+            help="write a session's events to session-<id>.jsonl (mode 0600)",
+            description="Write one JSON line per event. Texts, spans and arguments are left out (their sizes are"
+            " kept) unless --include-content; included content has API keys and private keys redacted.",
+        )
+    )
+    export.add_argument("id", type=int, help="session id")
+    export.add_argument("--format", choices=["jsonl"], required=True, help="output format")
+    export.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help="directory to write to (default: .)")
+    export.add_argument("--include-content", action="store_true", help="keep texts, spans and arguments")
+
+    media = commands.add_parser("media", help="the daemon's media store")
+    media_verbs = media.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser, required=True)
+    put = with_socket(media_verbs.add_parser("put", help="store a file; prints its sha256 hash"))
+    put.add_argument("file", type=Path)
+    with_socket(media_verbs.add_parser("gc", help="remove blobs no session references; prints kept and removed"))
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -183,14 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from .logsetup import parse_directive, setup_logging
         from .serve import run
+        from .transports.web import parse_web_address
 
         try:
             parse_directive(args.log_filter)
         except ValueError as e:
             parser.error(str(e))
+        if args.web:
+            try:
+                parse_web_address(args.web)
+            except ValueError as e:
+                parser.error(str(e))
         config = serve_config(args)
         setup_logging(config.log_filter)
         return run(config)
+    if args.command in ("session", "media"):
+        from .commands import run as run_command
+
+        return run_command(f"{args.command} {args.verb}", args)
     if args.command == "version":
         print(f"superfluid {__version__}")
         return 0

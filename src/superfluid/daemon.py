@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .bus import END_PURGED, Bus
+from .bus import END_PURGED, Bus, Subscription
 from .generation import Committed, Done, Failed, GenerationRun, Generations, Outcome, Provisional
 from .logsetup import set_log_directive
 from .metrics import Metrics
@@ -23,6 +24,7 @@ from .model.channels import ChannelSplitter
 from .model.template import ChatTemplate, TemplateProblem
 from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tools
 from .protocol.schema import (
+    BLOCK_IMAGE,
     FINISH_STOP,
     QOS_NAMES,
     ROLE_ASSISTANT,
@@ -40,6 +42,7 @@ from .protocol.schema import (
     Tier,
 )
 from .scheduler.scheduler import Scheduler
+from .store.media import MediaStore
 from .store.sessions import SessionStore, now_ms
 from .store.state import SessionState
 
@@ -68,23 +71,41 @@ class QueueListener:
 
 
 class Generation:
-    """A Generate as its caller sees it: outcomes to iterate, a run to cancel."""
+    """A Generate as its caller sees it: outcomes to read in order, and a way to stop it."""
 
-    def __init__(self, listener: QueueListener | None, run: GenerationRun | None, immediate: Done | None = None):
+    def __init__(
+        self,
+        listener: QueueListener | None,
+        run: GenerationRun | None,
+        stop: Callable[[], None],
+        immediate: Done | None = None,
+    ) -> None:
         self._listener = listener
         self.run = run
+        self._stop = stop
         self._immediate = immediate
 
-    async def __aiter__(self) -> AsyncIterator[Outcome]:
+    async def next(self, timeout: float | None = None) -> Outcome | None:
+        """The next outcome; None when `timeout` seconds pass without one."""
         if self._immediate is not None:
-            yield self._immediate
-            return
+            return self._immediate
         assert self._listener is not None
+        try:
+            return await asyncio.wait_for(self._listener.queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def __aiter__(self) -> AsyncIterator[Outcome]:
         while True:
-            item = await self._listener.queue.get()
+            item = await self.next()
+            assert item is not None
             yield item
             if isinstance(item, (Done, Failed)):
                 return
+
+    def cancel(self) -> None:
+        """Stop the generation (it ends with finish 4); harmless once it has ended."""
+        self._stop()
 
 
 class Daemon:
@@ -106,6 +127,7 @@ class Daemon:
         self.window = window
         self.metrics = metrics
         self.bus = Bus()
+        self.media = MediaStore(store.directory / "media")
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
         self.scheduler = scheduler
@@ -133,6 +155,9 @@ class Daemon:
             R.SetBackgroundRate: self._set_background_rate,
             R.SetLogLevel: self._set_log_level,
             R.Metrics: self._metrics,
+            R.PutMedia: self._put_media,
+            R.GcMedia: self._gc_media,
+            R.Complete: self._complete,
         }
 
     def start(self) -> int:
@@ -144,7 +169,6 @@ class Daemon:
     def stop(self) -> None:
         self.scheduler.stop()
         self.generations.stop()
-        self.bus.close()
 
     # ---- dispatch ----
 
@@ -403,7 +427,7 @@ class Daemon:
                     f"{total} tokens; shorten the prompt or drop earlier turns"
                 )
             if req.max_tokens == 0:
-                return Generation(None, None, Done([], 0, 0, 0))
+                return Generation(None, None, lambda: None, Done([], 0, 0, 0))
             self._idle(s)
             writes: list[tuple[int, EventBody]] = []
             if s.fingerprint != self.fingerprint:
@@ -429,7 +453,7 @@ class Daemon:
             self.generations.add(run)
             self.metrics.generations.inc()
         self.scheduler.submit(job)
-        return Generation(listener, run)
+        return Generation(listener, run, lambda: self.scheduler.cancel(job))
 
     def _opener(self, last_input: EventBody | None) -> list[int]:
         """The assistant opener a generation needs, or none when it continues an open turn."""
@@ -486,6 +510,43 @@ class Daemon:
 
     def _metrics(self, req: R.Metrics) -> Response:
         return Response.Text(self.metrics.exposition())
+
+    # ---- subscriptions ----
+
+    def subscribe(self, session: int, cursor: int, provisional: bool) -> Subscription:
+        """Attach a subscriber: the backlog from `cursor`, then live events, deduplicated by id."""
+        with self.store.lock:
+            state = self._session(session)
+            return self.bus.subscribe(session, cursor, provisional, lambda c: state.events[c:])
+
+    # ---- media ----
+
+    def _put_media(self, req: R.PutMedia) -> Response:
+        try:
+            return Response.Media(self.media.put(req.bytes))
+        except OSError as e:
+            raise DaemonError(f"io: {e}") from None
+
+    def _gc_media(self, req: R.GcMedia) -> Response:
+        with self.store.lock:
+            referenced = {
+                blob
+                for s in self.store.live()
+                for e in s.events
+                if isinstance(e.body, B.Block) and e.body.kind == BLOCK_IMAGE
+                for blob in [_image_blob(e.body.payload)]
+                if blob
+            }
+            kept, removed = self.media.gc(referenced)
+        return Response.Gc(kept, removed)
+
+    # ---- fill in the middle ----
+
+    def _complete(self, req: R.Complete) -> Response:
+        missing = [name for name, token in self.model.fim.items() if token < 0]
+        if missing:
+            raise DaemonError(f"this codec has no FIM dialect: {self.model.name} has no {', '.join(missing)} token")
+        raise DaemonError("Complete is not served by this version of superfluid")
 
     # ---- purge ----
 
@@ -585,6 +646,14 @@ def _copy(event: EventMsg, calls: set[int], remap: dict[int, int]) -> EventBody 
             return B.ToolResult(call, body.content, body.span)
         return B.Message(3, body.content, body.span)
     return None
+
+
+def _image_blob(payload: str) -> str | None:
+    try:
+        blob = json.loads(payload).get("blob")
+    except (ValueError, AttributeError):
+        return None
+    return blob if isinstance(blob, str) else None
 
 
 def _fingerprint(model: Any, template: ChatTemplate) -> int:

@@ -18,6 +18,7 @@ from .model.template import CHATML, ChatTemplate
 from .scheduler.scheduler import Scheduler
 from .store.sessions import SessionStore
 from .transports.socket import SocketServer
+from .transports.web import WebServer, mint_token
 
 log = logging.getLogger("superfluid")
 
@@ -77,11 +78,18 @@ async def serve(config: ServeConfig) -> int:
     bumped = daemon.start()
     socket_server = SocketServer(daemon, config.socket)
     await socket_server.start()
+    web_server = None
+    if config.web:
+        token_path = config.sessions / "web-token"
+        web_server = WebServer(daemon, config.web, mint_token(token_path), config.web_origins)
+        url = await web_server.start()
     print(
         f"superfluid {__version__}: serving {loaded.name} ({loaded.model.path}) with {config.max_batch} lanes"
         f" of {loaded.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
         flush=True,
     )
+    if web_server is not None:
+        print(f"web: {url}/web/ (token in {token_path})", flush=True)
     if not config.no_http:
         log.info(
             "the OpenAI, Anthropic and Ollama HTTP routes are not in this version; --http %s is unused", config.http
@@ -94,6 +102,10 @@ async def serve(config: ServeConfig) -> int:
         await stop.wait()
     finally:
         log.info("stopping")
+        daemon.bus.close()
+        await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
+        if web_server is not None:
+            await web_server.stop()
         await socket_server.stop()
         daemon.stop()
         store.close()

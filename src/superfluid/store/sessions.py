@@ -32,6 +32,7 @@ class SessionStore:
     """Durable sessions: replayed at open, extended by `commit`."""
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         self.log = SessionLog(directory)
         self.table = SessionTable()
         self.lock = threading.RLock()

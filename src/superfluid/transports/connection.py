@@ -12,10 +12,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from ..bus import END_UNSUBSCRIBED, SubEnded, SubEvent, SubItem, Subscription
-from ..daemon import Daemon, DaemonError
+from ..bus import END_UNSUBSCRIBED, SubEnded, SubEvent, Subscription
+from ..daemon import Daemon, DaemonError, Generation
 from ..generation import Committed, Done, Failed
 from ..protocol.schema import Request, Response
+from ..ratelimit import TokenBucket, retry_after_ms
 
 log = logging.getLogger("superfluid.transport")
 
@@ -28,8 +29,9 @@ class Connection:
     def __init__(self, daemon: Daemon, send: Send) -> None:
         self.daemon = daemon
         self.send = send
+        self.completions = TokenBucket()
         self._subs: dict[int, tuple[Subscription, asyncio.Task[None]]] = {}
-        self._generation = None
+        self._generation: Generation | None = None
 
     async def handle(self, request: object) -> None:
         if isinstance(request, Request.Generate):
@@ -38,6 +40,8 @@ class Connection:
             await self._subscribe(request)
         elif isinstance(request, Request.Unsubscribe):
             await self._unsubscribe(request)
+        elif isinstance(request, Request.Complete) and (wait := self.completions.take()):
+            await self.send(Response.Throttled(retry_after_ms(wait)))
         else:
             await self.send(await self.daemon.request(request))
 
@@ -73,14 +77,12 @@ class Connection:
         self._subs[sub.id] = (sub, asyncio.create_task(self._pump(sub)))
 
     async def _pump(self, sub: Subscription) -> None:
-        while True:
-            item: SubItem = await sub.queue.get()
+        async for item in sub.items():
             if isinstance(item, SubEvent):
                 await self.send(Response.SubEvent(sub.id, item.event))
             elif isinstance(item, SubEnded):
                 self._subs.pop(sub.id, None)
                 await self.send(Response.SubEnded(sub.id, item.reason))
-                return
             else:
                 await self.send(Response.SubProvisional(sub.id, item.channel, item.text))
 
@@ -94,9 +96,8 @@ class Connection:
 
     async def close(self) -> None:
         """The client went away: stop its generation and detach its subscriptions."""
-        generation = self._generation
-        if generation is not None and generation.run is not None:
-            self.daemon.scheduler.cancel(generation.run.job)
+        if self._generation is not None:
+            self._generation.cancel()
         for sub, task in list(self._subs.values()):
             self.daemon.bus.detach(sub)
             task.cancel()

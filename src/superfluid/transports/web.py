@@ -1,0 +1,368 @@
+"""The browser transport (`--web`): the session API as JSON over HTTP and WebSocket.
+
+Routes: `POST /web/rpc` (one request, one reply), `POST /web/stream` (a generation as
+server-sent events), `GET /web/ws` (a WebSocket carrying every request, streaming ones
+included) and `GET /web/health`. The listener binds loopback only and every route but
+health needs the token minted at start into `<sessions>/web-token` (mode 0600):
+
+- /web/rpc and /web/stream: `Authorization: Bearer <token>` (401 otherwise), any
+  `Origin` listed by --web-origin and `X-Superfluid-CSRF: <token>` (403 otherwise);
+- /web/ws: the token as Bearer or as a `superfluid.token.<token>` subprotocol (401), an
+  `Origin` that is listed (403), and `superfluid.v1` among the offered subprotocols (400).
+
+No CORS headers are sent, so a web page can reach only /web/ws. Request bodies over
+2 MiB get 413. A `Complete` past the listener's bucket gets 429 with `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..daemon import STREAMED, Daemon, DaemonError
+from ..generation import Committed, Done, Failed, Provisional
+from ..protocol import jsoncodec
+from ..protocol.schema import Request
+from ..protocol.schema import Response as Reply
+from ..protocol.types import U32, U64, Struct
+from ..ratelimit import TokenBucket, retry_after_header, retry_after_ms
+from .connection import Connection
+
+log = logging.getLogger("superfluid.web")
+
+PROTOCOL = "superfluid.v1"
+TOKEN_PROTOCOL = "superfluid.token."
+BODY_LIMIT = 2 << 20
+WS_MESSAGE_LIMIT = 64 << 20
+WS_INBOUND_QUEUE = 32
+KEEPALIVE_S = 15.0
+LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
+STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (/web/stream), not /web/rpc"
+
+
+class StreamRequest(Struct):
+    """The body of POST /web/stream."""
+
+    session: U64
+    max_tokens: U32
+    provisional: bool | None
+
+
+def parse_web_address(address: str) -> tuple[str, int]:
+    """`127.0.0.1:PORT`, `[::1]:PORT` or `localhost:PORT`; anything else is refused."""
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"--web {address!r} is refused: the browser transport listens on loopback only; "
+            "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"
+        )
+    return host.strip("[]"), int(port)
+
+
+def mint_token(path: Path) -> str:
+    """A fresh token (32 random bytes as 64 hex digits), written with mode 0600."""
+    token = os.urandom(32).hex()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return token
+
+
+def _err(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"Err": {"message": message}}, status_code=status, headers=headers)
+
+
+def _same(presented: str, token: str) -> bool:
+    return len(presented) == len(token) and hmac.compare_digest(presented.encode(), token.encode())
+
+
+class WebAuth:
+    """The token and Origin checks, in the order the protocol gives them."""
+
+    def __init__(self, token: str, origins: list[str]) -> None:
+        self.token = token
+        self.origins = set(origins)
+
+    def _bearers(self, headers: Any) -> list[str] | None:
+        """Tokens of the Authorization headers; None if one is not `Bearer <token>`."""
+        tokens = []
+        for value in headers.getlist("authorization"):
+            if not value.startswith("Bearer "):
+                return None
+            tokens.append(value[len("Bearer ") :])
+        return tokens
+
+    def http(self, request: HttpRequest) -> JSONResponse | None:
+        bearers = self._bearers(request.headers)
+        if not bearers or not all(_same(t, self.token) for t in bearers):
+            return _err(401, "bad or missing bearer token")
+        if not all(origin in self.origins for origin in request.headers.getlist("origin")):
+            return _err(403, "origin not allowed")
+        csrf = request.headers.getlist("x-superfluid-csrf")
+        if not csrf or not all(_same(t, self.token) for t in csrf):
+            return _err(403, "missing or bad CSRF token")
+        return None
+
+    def websocket(self, websocket: WebSocket, offered: list[str]) -> JSONResponse | None:
+        bearers = self._bearers(websocket.headers)
+        presented = (bearers or []) + [p[len(TOKEN_PROTOCOL) :] for p in offered if p.startswith(TOKEN_PROTOCOL)]
+        if bearers is None or not presented or not all(_same(t, self.token) for t in presented):
+            return _err(401, "bad or missing bearer token")
+        origins = websocket.headers.getlist("origin")
+        if not origins:
+            return _err(403, "missing Origin (required on /web/ws)")
+        if not all(origin in self.origins for origin in origins):
+            return _err(403, "origin not allowed")
+        if offered and PROTOCOL not in offered:
+            return _err(400, "offer the superfluid.v1 subprotocol")
+        return None
+
+
+def _offered(websocket: WebSocket) -> list[str]:
+    return [
+        item.strip()
+        for header in websocket.headers.getlist("sec-websocket-protocol")
+        for item in header.split(",")
+        if item.strip()
+    ]
+
+
+async def _json_body(request: HttpRequest) -> Any:
+    """The parsed JSON body, or the error response to send instead."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        return _err(415, "send the body as JSON with Content-Type: application/json")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > BODY_LIMIT:
+        return _err(413, f"request body of {declared} bytes is over the {BODY_LIMIT}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > BODY_LIMIT:
+            return _err(413, f"request body is over the {BODY_LIMIT}-byte limit")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _err(400, f"invalid JSON body: {e}")
+
+
+def _frame(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
+    """The /web/* routes over one daemon."""
+    app = FastAPI(title="superfluid session API (browser transport)", docs_url=None, redoc_url=None)
+    auth = WebAuth(token, origins)
+    rpc_bucket = TokenBucket()
+
+    @app.get("/web/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/web/rpc")
+    async def rpc(request: HttpRequest) -> Response:
+        refused = auth.http(request)
+        if refused is not None:
+            return refused
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            call = jsoncodec.from_json(body, Request)
+        except jsoncodec.JsonShapeError as e:
+            return _err(422, f"invalid request: {e}")
+        if isinstance(call, (Request.Generate, Request.Subscribe, Request.Unsubscribe)):
+            return _reply(Reply.Err(STREAMING_ON_RPC))
+        if isinstance(call, Request.Complete) and (wait := rpc_bucket.take()):
+            return JSONResponse(
+                jsoncodec.to_json(Reply.Throttled(retry_after_ms(wait))),
+                status_code=429,
+                headers={"Retry-After": retry_after_header(wait)},
+            )
+        return _reply(await daemon.request(call))
+
+    @app.post("/web/stream")
+    async def stream(request: HttpRequest) -> Response:
+        refused = auth.http(request)
+        if refused is not None:
+            return refused
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            ask = jsoncodec.from_json(body, StreamRequest)
+        except jsoncodec.JsonShapeError as e:
+            return _err(422, f"invalid stream request: {e}")
+        return StreamingResponse(
+            _sse(daemon, ask),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.websocket("/web/ws")
+    async def ws(websocket: WebSocket) -> None:
+        offered = _offered(websocket)
+        refused = auth.websocket(websocket, offered)
+        if refused is not None:
+            await websocket.send_denial_response(refused)
+            return
+        await websocket.accept(subprotocol=PROTOCOL if offered else None)
+        await _serve_websocket(daemon, websocket)
+
+    return app
+
+
+def _reply(reply: Any) -> Response:
+    return Response(jsoncodec.dumps(reply, Reply), media_type="application/json")
+
+
+async def _sse(daemon: Daemon, ask: StreamRequest) -> AsyncIterator[str]:
+    """One generation as SSE frames; the client going away cancels it."""
+    try:
+        generation = daemon.generate(Request.Generate(ask.session, ask.max_tokens), provisional=bool(ask.provisional))
+    except DaemonError as e:
+        yield _frame({"error": str(e)})
+        yield "data: [DONE]\n\n"
+        return
+    ended = False
+    try:
+        while True:
+            outcome = await generation.next(timeout=KEEPALIVE_S)
+            if outcome is None:
+                yield ": keep-alive\n\n"
+            elif isinstance(outcome, Provisional):
+                yield _frame({"provisional": {"channel": outcome.channel, "text": outcome.text}})
+            elif isinstance(outcome, Committed):
+                if isinstance(outcome.event.body, STREAMED):
+                    yield _frame({"committed": jsoncodec.to_json(outcome.event)})
+            elif isinstance(outcome, Done):
+                ended = True
+                done = {"tokens_generated": outcome.tokens_generated, "finish": outcome.finish}
+                yield _frame({"done": {**done, "warm_prefix": outcome.warm_prefix}})
+                break
+            elif isinstance(outcome, Failed):
+                ended = True
+                yield _frame({"error": outcome.message})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:
+            generation.cancel()
+
+
+async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
+    """Requests in order, one reply per text frame; bad frames get an Err and the socket stays open."""
+    send_lock = asyncio.Lock()
+
+    async def send(reply: Any) -> None:
+        async with send_lock:
+            await websocket.send_text(jsoncodec.dumps(reply, Reply))
+
+    connection = Connection(daemon, send)
+    inbound: asyncio.Queue[Any] = asyncio.Queue(WS_INBOUND_QUEUE)
+
+    async def read() -> None:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            data = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            try:
+                await inbound.put(jsoncodec.loads(data, Request))
+            except jsoncodec.JsonShapeError as e:
+                await inbound.put(Reply.Err(f"invalid request frame: {e}"))
+
+    async def work() -> None:
+        while True:
+            item = await inbound.get()
+            if isinstance(item, Reply.Err):
+                await send(item)
+            else:
+                await connection.handle(item)
+
+    reader = asyncio.create_task(read())
+    worker = asyncio.create_task(work())
+    try:
+        await asyncio.wait({reader, worker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (reader, worker):
+            task.cancel()
+        await connection.close()
+        for task in (reader, worker):
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the daemon's loop: the daemon handles the signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class WebServer:
+    """Runs the /web/* app on a loopback address."""
+
+    def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str]) -> None:
+        self.host, self.port = parse_web_address(address)
+        config = uvicorn.Config(
+            create_app(daemon, token, origins),
+            host=self.host,
+            port=self.port,
+            ws="websockets-sansio",
+            ws_max_size=WS_MESSAGE_LIMIT,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        """Listen; returns the URL it listens on."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1" if self.host == "localhost" else self.host, self.port))
+        except OSError as e:
+            listener.close()
+            raise RuntimeError(
+                f"the browser transport cannot listen on {self.host}:{self.port}: {e.strerror or e}"
+            ) from None
+        listener.setblocking(False)
+        self._task = asyncio.create_task(self._server.serve(sockets=[listener]))
+        while not self._server.started:
+            await asyncio.sleep(0.01)
+        bound = listener.getsockname()
+        host = f"[{bound[0]}]" if family == socket.AF_INET6 else bound[0]
+        return f"http://{host}:{bound[1]}"
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, timeout=5)
