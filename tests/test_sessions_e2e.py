@@ -472,3 +472,14 @@ def test_subscribe_on_the_socket(tmp_path: Path) -> None:
             assert ended == Response.SubEnded(sub, "publisher closed")
     finally:
         proc.stop()
+
+
+def test_complete_is_metered_per_connection(daemon: DaemonProcess) -> None:
+    with daemon.client() as first, daemon.client() as second:
+        replies = [first.call(Request.Complete("def f(", "", 0, 4)) for _ in range(40)]
+        throttled = [r for r in replies if isinstance(r, Response.Throttled)]
+        assert throttled and throttled[0].retry_after_ms >= 1
+        assert all(isinstance(r, Response.Err) for r in replies[:20])
+        assert "no FIM dialect" in replies[0].message
+        # another connection has a bucket of its own
+        assert isinstance(second.call(Request.Complete("x", "", 0, 4)), Response.Err)

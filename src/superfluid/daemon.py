@@ -155,6 +155,8 @@ class Daemon:
             R.SetBackgroundRate: self._set_background_rate,
             R.SetLogLevel: self._set_log_level,
             R.Metrics: self._metrics,
+            R.OpenToolCalls: self._open_tool_calls,
+            R.Ledger: self._ledger,
             R.PutMedia: self._put_media,
             R.GcMedia: self._gc_media,
             R.Complete: self._complete,
@@ -510,6 +512,18 @@ class Daemon:
 
     def _metrics(self, req: R.Metrics) -> Response:
         return Response.Text(self.metrics.exposition())
+
+    # ---- tools ----
+
+    def _open_tool_calls(self, req: R.OpenToolCalls) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            return Response.ToolCalls([(call, name, args) for call, (name, args) in s.open_calls.items()])
+
+    def _ledger(self, req: R.Ledger) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            return Response.Ledger([(call, entry.entry()) for call, entry in s.ledger.items()])
 
     # ---- subscriptions ----
 
