@@ -41,6 +41,8 @@ class DaemonProcess:
             str(max_batch),
             "--no-http",
             "--no-tui",
+            "--log-filter",
+            os.environ.get("SF_TEST_LOG", "info"),
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None

@@ -187,3 +187,32 @@ def test_pull_the_plug_example() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "✗ kill -9" in result.stdout and "✓ restarted in" in result.stdout
     assert "✓ the final reply begins with everything committed before the kill" in result.stdout
+
+
+def test_tool_result_on_a_tool_use(sf: Client) -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    s = sf.session(Sampling.greedy(), system="Answer with the tools.", tools=[weather])
+    s.user("Is it raining in Paris?")
+    # the small model is steered into its call by appending the start of it; it closes the call itself
+    s.append_tokens(
+        [], text='<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    )
+    reply = s.generate(16)
+    assert reply.finish == "stop" and len(reply.tool_calls) == 1, (reply, reply.warm_prefix)
+    call = reply.tool_calls[0]
+    assert call.name == "get_weather" and call.json() == {"city": "Paris"}
+    assert s.open_tool_calls() == [call]
+    result = s.tool_result(call, "Light rain, 14 C")
+    assert result.kind == "ToolResult" and result.data["call_id"] == call.id
+    assert s.open_tool_calls() == []
+    with pytest.raises(SuperfluidError, match="unknown or already closed"):
+        s.tool_result(call, "again")
+    roles = [m["role"] for m in s.messages()]
+    assert "tool_call" in roles and roles[-1] == "tool"

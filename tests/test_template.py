@@ -85,3 +85,30 @@ def test_tool_shapes_normalise_to_openai_function_tools() -> None:
     declared = fallback_system_text("Use tools.", [expected])
     assert declared.startswith("Use tools.\n\n# Tools") and '"name": "get_weather"' in declared
     assert "<tool_call>" in declared
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
+    "\n\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'system' %}{%- continue %}{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    '{%- for tool_call in message.tool_calls %}\n<function_call>\n{"name": "{{ tool_call.function.name }}", '
+    '"arguments": {{ tool_call.function.arguments | tojson }}}\n</function_call>{%- endfor %}<|im_end|>\n'
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_a_template_with_tools_teaches_its_call_markers(model: LlamaModel) -> None:
+    template = ChatTemplate(QWEN_LIKE, model.tokenize)
+    assert template.supports_tools
+    assert (template.call_markers.open, template.call_markers.close) == ("<function_call>", "</function_call>")
+    tool = normalize_tool({"name": "get_weather", "parameters": {"type": "object"}})
+    frame = template.system_with_tools([tool])
+    assert '"name": "get_weather"' in frame.before + frame.after and "# Tools" in frame.before + frame.after
+    plain = ChatTemplate(model.chat_template or CHATML, model.tokenize)
+    assert not plain.supports_tools and plain.call_markers.open == "<tool_call>"

@@ -61,6 +61,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fim_tokens(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"give three token ids, prefix,suffix,middle (such as 1,3,2), not {text}")
+    prefix, suffix, middle = (int(p) for p in parts)
+    return prefix, suffix, middle
+
+
 def _context(text: str) -> int | None:
     if text == "auto":
         return None
@@ -145,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--offline", action="store_true", help="never download a model; use the local cache only")
     serve.add_argument(
+        "--fim-tokens",
+        type=_fim_tokens,
+        metavar="PRE,SUF,MID",
+        help="token ids of the fill-in-the-middle markers, for a GGUF whose metadata lacks them",
+    )
+    serve.add_argument(
         "--log-filter",
         default="info",
         metavar="DIRECTIVE",
@@ -208,6 +222,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         web=args.web,
         web_origins=args.web_origins,
         offline=args.offline,
+        fim_tokens=args.fim_tokens,
         log_filter="debug" if args.verbose else args.log_filter,
     )
     if args.sessions is not None:

@@ -46,5 +46,6 @@ class ServeConfig:
     web_origins: list[str] = field(default_factory=list)
     offline: bool = False
     log_filter: str = "info"
+    fim_tokens: tuple[int, int, int] | None = None
     tick_ms: float = 50.0
     prefill_chunk: int = 512

@@ -13,22 +13,36 @@ import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .bus import END_PURGED, Bus, Subscription
+from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
 from .generation import Committed, Done, Failed, GenerationRun, Generations, Outcome, Provisional
 from .logsetup import set_log_directive
 from .metrics import Metrics
-from .model.channels import ChannelSplitter
+from .model.blocks import BlockError, project_block
+from .model.channels import THINK, ChannelSplitter
 from .model.template import ChatTemplate, TemplateProblem
-from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tools
+from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tool, normalize_tools
 from .protocol.schema import (
     BLOCK_IMAGE,
+    FIM_PSM,
+    FIM_SPM,
+    FINISH_GRAMMAR,
     FINISH_STOP,
+    LEDGER_CANCEL_REQUESTED,
+    LEDGER_OPEN,
+    LEDGER_SUCCEEDED,
+    MODEL_VISIBILITY_VERSION,
+    OUTCOME_CANCELLED,
+    OUTCOME_FAILED,
+    QOS_COMPLETION,
     QOS_NAMES,
     ROLE_ASSISTANT,
     ROLE_SYSTEM,
+    ROLE_TOOL,
     TOKEN_BEARING,
     EventBody,
     EventMsg,
@@ -41,16 +55,21 @@ from .protocol.schema import (
     SessionSummary,
     Tier,
 )
-from .scheduler.scheduler import Scheduler
+from .scheduler.scheduler import Job, Scheduler
 from .store.media import MediaStore
 from .store.sessions import SessionStore, now_ms
-from .store.state import SessionState
+from .store.state import SessionState, ToolCallState
 
 log = logging.getLogger("superfluid.daemon")
 B = EventBody
 R = Request
 
 PURGE_WAIT_S = 10.0
+COMPLETION_CACHE = 256
+GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+# A generation that ended its turn with an end-of-turn token: after the end of the grammar
+# too, since a complete grammar allows nothing but end-of-generation.
+TURN_ENDED = (FINISH_STOP, FINISH_GRAMMAR)
 # Records a Generate streams to its caller as they commit.
 STREAMED = (B.Generated, B.ToolUse, B.ToolResult, B.ToolParseFailure)
 
@@ -108,6 +127,26 @@ class Generation:
         self._stop()
 
 
+class CompletionSink:
+    """Collects a fill-in-the-middle job's tokens; `done` resolves when it ends."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[tuple[int, str | None]] = self.loop.create_future()
+        self.output: list[int] = []
+
+    def tokens(self, job: Job, tokens: list[int]) -> None:
+        self.output.extend(tokens)
+
+    def finished(self, job: Job, finish: int, error: str | None) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.done, (finish, error))
+
+
+def _resolve(future: asyncio.Future[tuple[int, str | None]], value: tuple[int, str | None]) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class Daemon:
     """One model's sessions: the store, the scheduler and the verbs between them."""
 
@@ -134,6 +173,7 @@ class Daemon:
         scheduler.on_tick = self.generations.on_tick
         self.fingerprint = _fingerprint(model, template)
         self._purging: set[int] = set()
+        self._completions: OrderedDict[tuple[str, str, int, int], tuple[str, list[int]]] = OrderedDict()
         metrics.attach(self)
         self._handlers: dict[type, Callable[[Any], Response]] = {
             R.Create: self._create,
@@ -157,9 +197,15 @@ class Daemon:
             R.Metrics: self._metrics,
             R.OpenToolCalls: self._open_tool_calls,
             R.Ledger: self._ledger,
+            R.AppendToolResult: self._append_tool_result,
+            R.AppendToolOutcome: self._append_tool_outcome,
+            R.RequestToolCancel: self._request_tool_cancel,
+            R.RequestPermission: self._request_permission,
+            R.RespondPermission: self._respond_permission,
+            R.AppendBlock: self._append_block,
+            R.AppendImage: self._append_image,
             R.PutMedia: self._put_media,
             R.GcMedia: self._gc_media,
-            R.Complete: self._complete,
         }
 
     def start(self) -> int:
@@ -181,6 +227,8 @@ class Daemon:
         try:
             if isinstance(request, R.Purge):
                 return await self._purge(request)
+            if isinstance(request, R.Complete):
+                return await self._complete(request)
             handler = self._handlers.get(type(request))
             if handler is None:
                 raise DaemonError(f"{name} is not served by this version of superfluid")
@@ -249,7 +297,7 @@ class Daemon:
             raise DaemonError(str(e)) from None
 
     def _separator(self, last_input: EventBody | None) -> list[int]:
-        finished = isinstance(last_input, B.Generated) and last_input.finish == FINISH_STOP
+        finished = isinstance(last_input, B.Generated) and last_input.finish in TURN_ENDED
         return self.template.separator() if finished else []
 
     def _append_system(self, req: R.AppendSystem) -> Response:
@@ -411,8 +459,37 @@ class Daemon:
 
     # ---- generation ----
 
-    def generate(self, req: R.Generate, *, provisional: bool) -> Generation:
-        """Start a generation; its outcomes arrive by iterating the returned `Generation`."""
+    def grammar_for(self, *, gbnf: Any = None, json_schema: Any = None, tool: Any = None) -> str | None:
+        """The GBNF of a constraint given as a grammar, a JSON schema, or a tool to call (at most one)."""
+        given = [name for name, value in (("grammar", gbnf), ("json_schema", json_schema), ("tool", tool)) if value]
+        if len(given) > 1:
+            raise DaemonError(f"give one constraint, not {' and '.join(given)}")
+        try:
+            if gbnf is not None:
+                if not isinstance(gbnf, str):
+                    raise DaemonError("grammar must be GBNF text with a `root` rule")
+                return gbnf
+            if json_schema is not None:
+                return schema_grammar(json_schema)
+            if tool is not None:
+                function = normalize_tool(tool)["function"]
+                markers = self.template.call_markers
+                return tool_call_grammar(function["name"], function["parameters"], markers.open, markers.close)
+        except (GrammarError, ToolDeclarationError) as e:
+            raise DaemonError(str(e)) from None
+        return None
+
+    def generate(self, req: R.Generate, *, provisional: bool, grammar: str | None = None) -> Generation:
+        """Start a generation; its outcomes arrive by iterating the returned `Generation`.
+
+        `grammar` (GBNF) constrains every token; the generation ends with finish 3 when it is complete.
+        """
+        constraint = None
+        if grammar is not None:
+            try:
+                constraint = Grammar(self.model, grammar)
+            except GrammarError as e:
+                raise DaemonError(str(e)) from None
         with self.store.lock:
             s = self._session(req.session)
             if s.id in self._purging:
@@ -438,6 +515,9 @@ class Daemon:
                 writes.append((s.id, B.GenerationPrompt(opener)))
             if writes:
                 self.bus.publish(s.id, self.store.commit(writes))
+            splitter = ChannelSplitter(self.model.pieces, (THINK, self.template.call_markers))
+            if not opener:
+                splitter.prime(_open_turn(s))
             listener = QueueListener()
             run = GenerationRun(
                 s.id,
@@ -445,12 +525,13 @@ class Daemon:
                 s.params,
                 req.max_tokens,
                 qos=s.qos_class,
-                splitter=ChannelSplitter(self.model.pieces),
+                splitter=splitter,
                 listener=listener,
                 provisional=provisional,
                 publisher=self.bus,
             )
             job = run.job
+            job.grammar = constraint
             self.running[s.id] = run
             self.generations.add(run)
             self.metrics.generations.inc()
@@ -460,7 +541,7 @@ class Daemon:
     def _opener(self, last_input: EventBody | None) -> list[int]:
         """The assistant opener a generation needs, or none when it continues an open turn."""
         if isinstance(last_input, B.Generated):
-            return self.template.separator() + self.template.opener() if last_input.finish == FINISH_STOP else []
+            return self.template.separator() + self.template.opener() if last_input.finish in TURN_ENDED else []
         if isinstance(last_input, (B.Message, B.ToolResult, B.Block)):
             return self.template.opener()
         return []
@@ -525,6 +606,99 @@ class Daemon:
             s = self._session(req.session)
             return Response.Ledger([(call, entry.entry()) for call, entry in s.ledger.items()])
 
+    def _tool_call(self, s: SessionState, call_id: int) -> ToolCallState:
+        """The session's own ledger entry of `call_id`, or the Err the protocol gives."""
+        call = s.ledger.get(call_id)
+        if call is None:
+            inherited = call_id < s.base and isinstance(_body_at(s, call_id), B.ToolUse)
+            if inherited:
+                raise DaemonError(
+                    f"tool call {call_id} belongs to an ancestor's timeline; only that session can close it"
+                )
+            raise DaemonError(f"tool call {call_id} is unknown or already closed")
+        return call
+
+    def _append_tool_result(self, req: R.AppendToolResult) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            self._idle(s)
+            call = self._tool_call(s, req.call_id)
+            if call.state == LEDGER_SUCCEEDED:
+                raise DaemonError(f"tool call {req.call_id} is unknown or already closed")
+            if call.state not in (LEDGER_OPEN, LEDGER_CANCEL_REQUESTED):
+                note = f"late result: {len(req.content.encode())} bytes"
+                self._commit_one(s.id, B.ToolReconciliation(req.call_id, note))
+                raise DaemonError(
+                    f"tool call {req.call_id} already reached a terminal outcome; "
+                    "the late result was recorded as a reconciliation"
+                )
+            span = self._message_span(True, s.last_input, ROLE_TOOL, req.content)
+            return Response.Committed(self._commit_one(s.id, B.ToolResult(req.call_id, req.content, span)))
+
+    def _append_tool_outcome(self, req: R.AppendToolOutcome) -> Response:
+        if req.outcome not in (OUTCOME_FAILED, OUTCOME_CANCELLED):
+            raise DaemonError(f"unknown tool outcome {req.outcome} (1 failed, 2 cancelled)")
+        with self.store.lock:
+            s = self._session(req.session)
+            call = self._tool_call(s, req.call_id)
+            if call.state not in (LEDGER_OPEN, LEDGER_CANCEL_REQUESTED):
+                raise DaemonError(f"tool call {req.call_id} is unknown or already closed")
+            event = self._commit_one(s.id, B.ToolOutcome(req.call_id, req.outcome, req.note))
+            return Response.Committed(event)
+
+    def _request_tool_cancel(self, req: R.RequestToolCancel) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            call = self._tool_call(s, req.call_id)
+            if call.state not in (LEDGER_OPEN, LEDGER_CANCEL_REQUESTED):
+                raise DaemonError(f"tool call {req.call_id} is unknown or already closed")
+            return Response.Committed(self._commit_one(s.id, B.ToolCancelRequested(req.call_id)))
+
+    def _request_permission(self, req: R.RequestPermission) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            self._idle(s)
+            if req.call_id != 0 and req.call_id not in s.open_calls:
+                raise DaemonError(f"tool call {req.call_id} is unknown or already closed")
+            return Response.Committed(self._commit_one(s.id, B.PermissionRequest(req.call_id, req.text)))
+
+    def _respond_permission(self, req: R.RespondPermission) -> Response:
+        with self.store.lock:
+            s = self._session(req.session)
+            if req.request_id not in s.permissions:
+                raise DaemonError(f"permission request {req.request_id} is unknown or already answered")
+            event = self._commit_one(s.id, B.PermissionResponse(req.request_id, req.granted))
+            return Response.Committed(event)
+
+    # ---- blocks and images ----
+
+    def _append_block(self, req: R.AppendBlock) -> Response:
+        if req.role > ROLE_ASSISTANT:
+            raise DaemonError(f"unknown message role {req.role}")
+        try:
+            projection = project_block(req.kind, req.payload)
+        except BlockError as e:
+            raise DaemonError(str(e)) from None
+        with self.store.lock:
+            s = self._session(req.session)
+            self._idle(s)
+            span = self._message_span(bool(s.tokens), s.last_input, req.role, projection)
+            block = B.Block(req.role, req.kind, req.payload, span, MODEL_VISIBILITY_VERSION)
+            return Response.Committed(self._commit_one(s.id, block))
+
+    def _append_image(self, req: R.AppendImage) -> Response:
+        if req.role > ROLE_ASSISTANT:
+            raise DaemonError(f"unknown message role {req.role}")
+        with self.store.lock:
+            s = self._session(req.session)
+            self._idle(s)
+            if not self.media.has(req.blob):
+                raise DaemonError(f"media blob {req.blob} is not in the pool (put it first)")
+            raise DaemonError(
+                f"{self.model.name} is a text-only model: it has no vision projector, so it cannot take "
+                "images; serve a vision GGUF to use AppendImage"
+            )
+
     # ---- subscriptions ----
 
     def subscribe(self, session: int, cursor: int, provisional: bool) -> Subscription:
@@ -556,11 +730,52 @@ class Daemon:
 
     # ---- fill in the middle ----
 
-    def _complete(self, req: R.Complete) -> Response:
+    async def _complete(self, req: R.Complete) -> Response:
         missing = [name for name, token in self.model.fim.items() if token < 0]
         if missing:
-            raise DaemonError(f"this codec has no FIM dialect: {self.model.name} has no {', '.join(missing)} token")
-        raise DaemonError("Complete is not served by this version of superfluid")
+            raise DaemonError(
+                f"this codec has no FIM dialect: {self.model.name} has no {', '.join(missing)} token "
+                "(a model made for code infill has them; --fim-tokens names them for a GGUF that lost them)"
+            )
+        if req.mode not in (FIM_PSM, FIM_SPM):
+            raise DaemonError(f"unknown FIM mode {req.mode} (0 prefix-suffix-middle, 1 suffix-prefix-middle)")
+        key = (req.prefix, req.suffix, req.mode, req.max_tokens)
+        cached = self._completions.get(key)
+        if cached is not None:
+            self._completions.move_to_end(key)
+            self.metrics.fim_completions.labels(result="cached").inc()
+            return Response.Completion(cached[0], cached[1], True, False)
+        fim = self.model.fim
+        prefix = self.model.tokenize(req.prefix, False)
+        suffix = self.model.tokenize(req.suffix, False)
+        if req.mode == FIM_PSM:
+            prompt = [fim["prefix"], *prefix, fim["suffix"], *suffix, fim["middle"]]
+        else:
+            prompt = [fim["suffix"], *suffix, fim["prefix"], *prefix, fim["middle"]]
+        if len(prompt) >= self.window:
+            raise DaemonError(
+                f"this model's maximum context length is {self.window} tokens, but your request has "
+                f"{len(prompt)} tokens; shorten the prompt or drop earlier turns"
+            )
+        tokens: list[int] = []
+        if req.max_tokens > 0:
+            sink = CompletionSink()
+            job = Job(prompt, GREEDY, req.max_tokens, sink=sink, qos=QOS_COMPLETION)
+            self.scheduler.submit(job)
+            try:
+                _, error = await sink.done
+            except asyncio.CancelledError:
+                self.scheduler.cancel(job)
+                raise
+            if error:
+                raise DaemonError(error)
+            tokens = sink.output
+        text = self.model.detokenize(tokens)
+        self._completions[key] = (text, tokens)
+        while len(self._completions) > COMPLETION_CACHE:
+            self._completions.popitem(last=False)
+        self.metrics.fim_completions.labels(result="generated").inc()
+        return Response.Completion(text, tokens, False, False)
 
     # ---- purge ----
 
@@ -660,6 +875,22 @@ def _copy(event: EventMsg, calls: set[int], remap: dict[int, int]) -> EventBody 
             return B.ToolResult(call, body.content, body.span)
         return B.Message(3, body.content, body.span)
     return None
+
+
+def _body_at(s: SessionState, event_id: int) -> EventBody | None:
+    return s.events[event_id].body if 0 <= event_id < len(s.events) else None
+
+
+def _open_turn(s: SessionState) -> list[int]:
+    """The tokens of the turn a continuation extends: everything after the last input turn."""
+    tokens: list[int] = []
+    for event in reversed(s.events):
+        body = event.body
+        if isinstance(body, (B.Message, B.ToolResult, B.Block)):
+            break
+        if isinstance(body, (B.Appended, B.GenerationPrompt, B.Generated)):
+            tokens[:0] = body.span
+    return tokens
 
 
 def _image_blob(payload: str) -> str | None:

@@ -20,10 +20,14 @@ from typing import Protocol
 
 from .metrics import Metrics
 from .model.channels import ChannelSplitter, Piece
+from .model.toolcall import parse_tool_call
 from .protocol.schema import (
     CHANNEL_REASONING,
     CHANNEL_TEXT,
+    CHANNEL_TOOL_CALL,
     FINISH_ERROR,
+    FINISH_GRAMMAR,
+    FINISH_STOP,
     EventBody,
     EventMsg,
     GenParams,
@@ -121,39 +125,48 @@ class GenerationRun:
 
     def tokens(self, job: Job, tokens: list[int]) -> None:
         for token in tokens:
-            piece = self.splitter.feed(token)
-            self._pending.append(piece)
-            if piece.text and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
-                if self.provisional:
-                    self.listener.put(Provisional(piece.channel, piece.text))
-                self.publisher.provisional(self.session, piece.channel, piece.text)
+            for piece in self.splitter.feed(token):
+                self._pending.append(piece)
+                if piece.text and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
+                    if self.provisional:
+                        self.listener.put(Provisional(piece.channel, piece.text))
+                    self.publisher.provisional(self.session, piece.channel, piece.text)
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
         self.finish = finish
         self.error = error
 
     def drain(self) -> list[EventBody]:
-        """The records this run's new tokens make; the last one carries the finish code."""
+        """The records of the tokens since the last drain: one `Generated` per channel run,
+        a `ToolUse` (or `ToolParseFailure`) after each closed call, and at the end of the
+        generation a last `Generated` that carries the finish code."""
+        pieces, self._pending = self._pending, []
+        if self.finish is not None:
+            pieces += self.splitter.flush()
         bodies: list[EventBody] = []
-        pending, self._pending = self._pending, []
-        channel = self.splitter.channel
-        span: list[int] = []
-        text: list[str] = []
-        for piece in pending:
-            if span and piece.channel != channel:
+        channel, span, text = self.splitter.channel, [], []
+        for piece in pieces:
+            if (span or text) and piece.channel != channel:
                 bodies.append(B.Generated(span, "".join(text), channel, 0))
                 span, text = [], []
             channel = piece.channel
-            span.append(piece.token)
+            span += piece.tokens
             text.append(piece.text)
             if piece.closes:
                 bodies.append(B.Generated(span, "".join(text), channel, 0))
                 span, text = [], []
-        if self.finish is not None:
-            text.append(self.splitter.flush())
-            bodies.append(B.Generated(span, "".join(text), channel, self.finish))
-        elif span:
+                if piece.call is not None:
+                    bodies.append(_tool_record(piece.call))
+        if span or text:
             bodies.append(B.Generated(span, "".join(text), channel, 0))
+        if self.finish is not None:
+            if self.splitter.channel == CHANNEL_TOOL_CALL and self.finish in (FINISH_STOP, FINISH_GRAMMAR):
+                bodies.append(_tool_record(self.splitter.call_text))  # the generation ended the call
+            last = bodies[-1] if bodies else None
+            if isinstance(last, B.Generated):
+                bodies[-1] = B.Generated(last.span, last.text, last.channel, self.finish)
+            else:
+                bodies.append(B.Generated([], "", self.splitter.channel, self.finish))
         return bodies
 
     # ---- committer thread ----
@@ -169,6 +182,13 @@ class GenerationRun:
             self.listener.put(Failed(self.error))
         else:
             self.listener.put(Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix))
+
+
+def _tool_record(call_text: str) -> EventBody:
+    parsed = parse_tool_call(call_text)
+    if parsed is None:
+        return B.ToolParseFailure(call_text)
+    return B.ToolUse(parsed.name, parsed.arguments)
 
 
 class Generations:

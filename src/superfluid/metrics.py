@@ -83,6 +83,9 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
             registry=self.registry,
         )
+        self.fim_completions = Counter(
+            "superfluid_fim_completions", "Complete requests, by result", ["result"], registry=self.registry
+        )
         self._scheduler = _SchedulerCollector()
         self.registry.register(self._scheduler)
 

@@ -41,6 +41,8 @@ class Loaded:
 def load(config: ServeConfig) -> Loaded:
     resolved = resolve_model(config.model, offline=config.offline)
     model = LlamaModel(resolved.path)
+    if config.fim_tokens is not None:
+        model.set_fim(*config.fim_tokens)
     source = model.chat_template or CHATML
     if model.chat_template is None:
         log.warning("%s carries no chat template; using ChatML", resolved.path.name)

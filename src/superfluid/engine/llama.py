@@ -86,6 +86,13 @@ class LlamaModel:
             "middle": L.llama_vocab_fim_mid(self._vocab),
         }
 
+    def set_fim(self, prefix: int, suffix: int, middle: int) -> None:
+        """Name the fill-in-the-middle marker tokens when the GGUF's metadata does not."""
+        for token in (prefix, suffix, middle):
+            if not 0 <= token < self.n_vocab:
+                raise EngineError(f"FIM token {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+        self.fim = {"prefix": prefix, "suffix": suffix, "middle": middle}
+
     def _read_metadata(self) -> dict[str, str]:
         out: dict[str, str] = {}
         buf = ctypes.create_string_buffer(1 << 20)

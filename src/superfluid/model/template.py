@@ -23,7 +23,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..protocol.schema import ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
+from ..protocol.schema import CHANNEL_TOOL_CALL, ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
+from .channels import TOOL_CALL, Markers
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, parse_special) -> token ids
 
@@ -49,6 +50,17 @@ class Frame:
     after: str
 
 
+def _object_end(text: str, start: int) -> int:
+    """Index just past the JSON object starting at `start`, or -1."""
+    if start < 0:
+        return -1
+    try:
+        _, end = json.JSONDecoder().raw_decode(text[start:])
+    except json.JSONDecodeError:
+        return -1
+    return start + end
+
+
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
@@ -57,12 +69,18 @@ class ChatTemplate:
     """A model's chat template, probed at load into per-role frames."""
 
     def __init__(self, source: str, tokenize: Tokenize, *, bos_text: str = "", eos_text: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the environment Hugging Face renders chat templates in
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
         self.source = source
-        self._template = env.from_string(source)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise TemplateProblem(f"the chat template does not compile: {e}") from None
         self._tokenize = tokenize
         self._bos_text = bos_text
         self._eos_text = eos_text
@@ -85,6 +103,41 @@ class ChatTemplate:
             raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
         self.opener_text = opened[len(closed) :]
         self.separator_text = self._later[2].after if 2 in self._later else self._later[ROLE_USER].after
+        self.call_markers = (self._learn_call_markers() if self.supports_tools else None) or TOOL_CALL
+
+    def _learn_call_markers(self) -> Markers | None:
+        """How the template writes a tool call, from one synthetic call: the text around its JSON."""
+        probe_tool = {"type": "function", "function": {"name": "sf_probe_fn", "parameters": {"type": "object"}}}
+        call = {
+            "type": "function",
+            "function": {"name": "sf_probe_fn", "arguments": {"sf_probe_arg": "sf_probe_value"}},
+        }
+        history = [{"role": "system", "content": "sf-probe"}, {"role": "user", "content": "sf-probe"}]
+        try:
+            before = self.render(history, add_generation_prompt=False, tools=[probe_tool])
+            text = self.render(
+                [*history, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                add_generation_prompt=False,
+                tools=[probe_tool],
+            )
+        except TemplateProblem:
+            return None
+        if not text.startswith(before) or "sf_probe_fn" not in text:
+            return None
+        turn = text[len(before) :]
+        frame = self._later.get(2)
+        if frame is not None and turn.startswith(frame.before):
+            turn = turn[len(frame.before) :]
+        if frame is not None and turn.endswith(frame.after):
+            turn = turn[: len(turn) - len(frame.after)]
+        start = turn.rfind("{", 0, turn.find("sf_probe_fn"))
+        end = _object_end(turn, start)
+        if start < 0 or end < 0:
+            return None
+        open_text, close_text = turn[:start].strip(), turn[end:].strip()
+        if not open_text or not close_text:
+            return None
+        return Markers(CHANNEL_TOOL_CALL, open_text, close_text)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, **extra: Any) -> str:
         try:

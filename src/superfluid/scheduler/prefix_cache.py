@@ -91,12 +91,12 @@ class PrefixCache:
         if entry is not None:
             entry.last_used = time.monotonic()
 
-    def victim(self, now_ms: int) -> int | None:
-        """The idle entry to evict next: least recently used, unpinned ones first."""
-        if not self.entries:
+    def victim(self, now_ms: int, spare: int | None = None) -> int | None:
+        """The idle entry to evict next: least recently used, unpinned ones first; never `spare`."""
+        candidates = [e for e in self.entries.values() if e.seq != spare]
+        if not candidates:
             return None
-        entry = min(self.entries.values(), key=lambda e: (e.pinned(now_ms), e.last_used))
-        return entry.seq
+        return min(candidates, key=lambda e: (e.pinned(now_ms), e.last_used)).seq
 
     def pin(self, tokens: np.ndarray, until_ms: int) -> bool:
         """Pin every entry that `tokens` extends (or that extends `tokens`)."""

@@ -21,17 +21,19 @@ from typing import Protocol
 
 import numpy as np
 
+from ..engine.grammar import Grammar
 from ..engine.llama import EngineError, KVFull, LlamaContext
 from ..engine.sampling import sample
 from ..protocol.schema import (
     FINISH_CANCELLED,
     FINISH_ERROR,
+    FINISH_GRAMMAR,
     FINISH_LENGTH,
     FINISH_STOP,
     QOS_AGENT,
     GenParams,
 )
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, Seed
 
 log = logging.getLogger("superfluid.scheduler")
 
@@ -56,6 +58,7 @@ class Job:
     sink: JobSink
     qos: int = QOS_AGENT
     batch_invariant: bool = False
+    grammar: Grammar | None = None
     cancelled: bool = False
     warm_prefix: int = 0
     generated: int = 0
@@ -207,30 +210,45 @@ class Scheduler:
         tokens = np.asarray(job.tokens, dtype=np.int32)
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
         seed = self.cache.lookup(tokens, running, self.now_ms())
+        if (
+            seed is not None
+            and not seed.take
+            and not self._free_seqs
+            and self.cache.victim(self.now_ms(), spare=seed.seq) is None
+        ):
+            # the entry to copy from is the only one left to evict: take it over instead
+            seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
         if seed is not None and seed.take:
             seq = seed.seq
             self.cache.remove(seq)
             self.context.truncate(seq, seed.length)
         else:
-            seq = self._free_seq()
+            seq = self._free_seq(spare=seed.seq if seed is not None else None)
             if seed is not None:
                 self.context.copy(seed.seq, seq, seed.length)
                 self.cache.touch(seed.seq)
         length = seed.length if seed is not None else 0
+        log.debug(
+            "admit %d tokens on slot %d: %s",
+            len(job.tokens),
+            seq,
+            "cold" if seed is None else f"{length} warm from slot {seed.seq} ({'taken' if seed.take else 'copied'})",
+        )
         job.warm_prefix = length
         self.stats.warm_prefix_tokens += length
         if length == 0:
             self.stats.cold_admissions += 1
         return Lane(seq, job, list(job.tokens[:length]), list(job.tokens[length:]))
 
-    def _free_seq(self) -> int:
-        if not self._free_seqs and not self._evict():
+    def _free_seq(self, spare: int | None = None) -> int:
+        """A slot for a new lane, evicting an idle entry if need be (never `spare`)."""
+        if not self._free_seqs and not self._evict(spare):
             raise EngineError("every sequence slot is in use")
         return self._free_seqs.pop()
 
-    def _evict(self) -> bool:
-        """Drop the least valuable idle entry; False when there is none."""
-        victim = self.cache.victim(self.now_ms())
+    def _evict(self, spare: int | None = None) -> bool:
+        """Drop the least valuable idle entry other than `spare`; False when there is none."""
+        victim = self.cache.victim(self.now_ms(), spare=spare)
         if victim is None:
             return False
         self.cache.remove(victim)
@@ -300,10 +318,18 @@ class Scheduler:
         """Sample the lane's next token; returns True when its job is over."""
         job = lane.job
         position = len(lane.held)
-        token = sample(logits, job.params, position)
+        grammar = job.grammar
+        if grammar is None:
+            token = sample(logits, job.params, position)
+        elif job.params.temperature <= 0 and grammar.allows(token := int(np.argmax(logits))):
+            pass  # greedy: the best token is allowed, no need to mask the whole vocabulary
+        else:
+            token = sample(grammar.mask(logits), job.params, position)
         if self.context.model.end_of_generation[token]:
-            self._retire(lane, FINISH_STOP)
+            self._retire(lane, FINISH_STOP if grammar is None else FINISH_GRAMMAR)
             return True
+        if grammar is not None:
+            grammar.accept(token)
         job.generated += 1
         job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
@@ -336,6 +362,8 @@ class Scheduler:
 
     def _finish(self, job: Job, finish: int, error: str | None = None) -> None:
         job.done = True
+        if job.grammar is not None:
+            job.grammar.close()
         job.sink.finished(job, finish, error)
 
     def _fail_all(self, why: str) -> None:

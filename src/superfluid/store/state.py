@@ -84,7 +84,11 @@ class SessionState:
         return len(self.events)
 
     def inherit(self, events: list[EventMsg]) -> None:
-        """Take `events` (a parent's first events) as this session's own beginning."""
+        """Take `events` (a parent's first events) as this session's own beginning.
+
+        Only the history comes along: tool calls, permissions and metadata stay the
+        parent's (a call made before the fork is answered in the parent).
+        """
         for event in events:
             self._absorb(event)
 
@@ -94,17 +98,17 @@ class SessionState:
             self._purge(body.generation)
             return
         self._absorb(event)
+        self.epoch = max(self.epoch, event.epoch)  # a fork's own epoch starts at 1, whatever it inherits
+        self._track(event.event_id, body)
 
     def _absorb(self, event: EventMsg) -> None:
         body = event.body
         self.events.append(event)
-        self.epoch = max(self.epoch, event.epoch)
         if isinstance(body, TOKEN_BEARING):
             self.tokens.extend(body.span)
             self.last_input = body
             if isinstance(body, B.Generated):
                 self.last_finish = body.finish
-        self._track(event.event_id, body)
 
     def _track(self, event_id: int, body: EventBody) -> None:
         """Tool, permission, metadata and scheduling records."""

@@ -55,7 +55,11 @@ STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (
 
 
 class StreamRequest(Struct):
-    """The body of POST /web/stream."""
+    """The body of POST /web/stream.
+
+    Beyond the protocol's three fields the body may carry one constraint: `grammar` (GBNF
+    text), `json_schema` (an object) or `tool` (a tool declaration the reply must call).
+    """
 
     session: U64
     max_tokens: U32
@@ -213,8 +217,14 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             ask = jsoncodec.from_json(body, StreamRequest)
         except jsoncodec.JsonShapeError as e:
             return _err(422, f"invalid stream request: {e}")
+        try:
+            grammar = daemon.grammar_for(
+                gbnf=body.get("grammar"), json_schema=body.get("json_schema"), tool=body.get("tool")
+            )
+        except DaemonError as e:
+            return _err(422, f"invalid stream request: {e}")
         return StreamingResponse(
-            _sse(daemon, ask),
+            _sse(daemon, ask, grammar),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -236,10 +246,11 @@ def _reply(reply: Any) -> Response:
     return Response(jsoncodec.dumps(reply, Reply), media_type="application/json")
 
 
-async def _sse(daemon: Daemon, ask: StreamRequest) -> AsyncIterator[str]:
+async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> AsyncIterator[str]:
     """One generation as SSE frames; the client going away cancels it."""
     try:
-        generation = daemon.generate(Request.Generate(ask.session, ask.max_tokens), provisional=bool(ask.provisional))
+        generate = Request.Generate(ask.session, ask.max_tokens)
+        generation = daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
     except DaemonError as e:
         yield _frame({"error": str(e)})
         yield "data: [DONE]\n\n"
