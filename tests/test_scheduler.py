@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from superfluid.engine.llama import ContextShape
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
-from superfluid.scheduler.scheduler import Job, Scheduler
+from superfluid.scheduler.scheduler import STARVATION_STEPS, Job, Scheduler
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -24,12 +26,16 @@ class FakeModel:
 class FakeContext:
     """Slots hold token lists; logits are a pure function of the slot's whole content."""
 
-    def __init__(self, sequences: int, window: int = 256, batch: int = 32) -> None:
+    def __init__(self, sequences: int, window: int = 256, batch: int = 512, delay: float = 0.0) -> None:
         self.shape = ContextShape(window, sequences, batch, 1)
         self.model = FakeModel()
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
+        self.delay = delay
+        self.batches: list[set[int]] = []
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
+        time.sleep(self.delay)
+        self.batches.append({int(s) for s in seqs})
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
             held = self.slots[int(seq)]
@@ -47,6 +53,13 @@ class FakeContext:
     def truncate(self, seq: int, length: int) -> None:
         del self.slots[seq][length:]
 
+    def export(self, seq: int) -> bytes:
+        return json.dumps(self.slots[seq]).encode()
+
+    def restore(self, seq: int, data: bytes) -> None:
+        assert not self.slots[seq], "a restore goes into an empty slot"
+        self.slots[seq] = json.loads(data)
+
 
 class Collect:
     def __init__(self) -> None:
@@ -59,6 +72,7 @@ class Collect:
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
         self.finish = finish
+        self.when = time.monotonic()
         self.done.set()
 
 
@@ -68,6 +82,25 @@ def run(scheduler: Scheduler, prompt: list[int], max_tokens: int = 6) -> tuple[l
     scheduler.submit(job)
     assert sink.done.wait(10)
     return sink.out, job.warm_prefix
+
+
+def alone(prompt: list[int], max_tokens: int) -> list[int]:
+    """What a prompt generates on a scheduler of its own."""
+    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024)
+    scheduler.start()
+    try:
+        return run(scheduler, prompt, max_tokens)[0]
+    finally:
+        scheduler.stop()
+
+
+def started(
+    scheduler: Scheduler, prompt: list[int], max_tokens: int, qos: int = 2, **kw: object
+) -> tuple[Job, Collect]:
+    sink = Collect()
+    job = Job(prompt, GREEDY, max_tokens, sink=sink, qos=qos, **kw)  # type: ignore[arg-type]
+    scheduler.submit(job)
+    return job, sink
 
 
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
@@ -113,5 +146,114 @@ def test_the_window_ends_a_generation_with_length() -> None:
         scheduler.submit(Job(list(range(1, 13)), GREEDY, 100, sink=sink))
         assert sink.done.wait(10)
         assert sink.finish == FINISH_LENGTH and len(sink.out) == 4
+    finally:
+        scheduler.stop()
+
+
+def test_an_interactive_job_preempts_background_work_which_then_resumes_exactly() -> None:
+    context = FakeContext(sequences=4, delay=0.002)
+    scheduler = Scheduler(context, lanes=1, window=1024)
+    scheduler.start()
+    try:
+        background, bg = started(scheduler, [7, 7, 7], 60, qos=3)
+        while len(bg.out) < 5:
+            time.sleep(0.001)
+        _chat, fg = started(scheduler, [9, 9, 9], 4, qos=0)
+        assert fg.done.wait(10)
+        assert not bg.done.is_set(), "the chat finished first, while the background job waited"
+        assert bg.done.wait(10)
+        assert bg.out == alone([7, 7, 7], 60), "nothing repeated or lost"
+        assert fg.out == alone([9, 9, 9], 4)
+        assert scheduler.stats.preemptions == 1 and background.warm_prefix == 0
+    finally:
+        scheduler.stop()
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once() -> None:
+    context = FakeContext(sequences=8, delay=0.002, batch=512)
+    scheduler = Scheduler(context, lanes=4, window=1024)
+    scheduler.start()
+    shared = list(range(100, 700))
+    try:
+        jobs = [started(scheduler, [*shared, 1, 2, q], 3) for q in range(8)]
+        for _, sink in jobs:
+            assert sink.done.wait(20)
+        prefilled = scheduler.stats.prefill_tokens
+        assert prefilled < 2 * len(shared), prefilled
+        assert all(job.warm_prefix >= len(shared) - 128 for job, _ in jobs[1:])
+        for q, (_, sink) in enumerate(jobs):
+            assert sink.out == alone([*shared, 1, 2, q], 3)
+    finally:
+        scheduler.stop()
+
+
+def test_evicted_prefixes_come_back_from_host_memory() -> None:
+    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024, host_cache_bytes=1 << 20)
+    scheduler.start()
+    try:
+        document = list(range(200, 300))
+        first, _ = run(scheduler, document, 3)
+        run(scheduler, [1, 2, 3, 4], 3)
+        run(scheduler, [5, 6, 7, 8], 3)  # no free slot: the document's entry goes to host memory
+        assert scheduler.stats.exports >= 1
+        stream = [*document, *first]
+        out, warm = run(scheduler, stream, 4)
+        assert scheduler.stats.imports == 1 and warm == len(stream) - 1
+        assert out == alone(stream, 4)
+    finally:
+        scheduler.stop()
+
+
+def test_pinned_prefixes_are_evicted_last() -> None:
+    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024)
+    scheduler.start()
+    try:
+        pinned = [11, 12, 13, 14]
+        run(scheduler, pinned, 2)
+        scheduler.pin(pinned, int(time.time() * 1000) + 60_000)
+        run(scheduler, [21, 22, 23], 2)
+        run(scheduler, [31, 32, 33], 2)  # needs a slot: the unpinned, newer entry goes
+        _, warm = run(scheduler, [*pinned, 15], 2)
+        assert warm == len(pinned)
+    finally:
+        scheduler.stop()
+
+
+def test_waiting_work_ages_into_a_better_class() -> None:
+    scheduler = Scheduler(FakeContext(sequences=3, delay=0.0005), lanes=1, window=1024)
+    scheduler.start()
+    try:
+        _, running = started(scheduler, [1, 2], STARVATION_STEPS + 40)
+        _, old = started(scheduler, [3, 4], 2, qos=3)  # waits the whole run: one class better by its end
+        while scheduler.stats.steps < 70:
+            time.sleep(0.001)
+        _, young = started(scheduler, [5, 6], 2, qos=2)  # waits less than STARVATION_STEPS
+        assert old.done.wait(10) and young.done.wait(10) and running.done.is_set()
+        assert old.when < young.when, "the background job waited long enough to go first"
+    finally:
+        scheduler.stop()
+
+
+def test_batch_invariant_lanes_run_alone() -> None:
+    context = FakeContext(sequences=4, delay=0.001)
+    scheduler = Scheduler(context, lanes=2, window=1024)
+    scheduler.start()
+    try:
+        _, a = started(scheduler, [1, 2, 3], 20, batch_invariant=True)
+        _, b = started(scheduler, [4, 5, 6], 20)
+        assert a.done.wait(10) and b.done.wait(10)
+        assert all(len(batch) == 1 for batch in context.batches)
+    finally:
+        scheduler.stop()
+
+
+def test_the_background_rate_slows_agent_and_background_lanes() -> None:
+    context = FakeContext(sequences=2)
+    scheduler = Scheduler(context, lanes=1, window=1024)
+    scheduler.background_divisor = 4
+    scheduler.start()
+    try:
+        run(scheduler, [1, 2, 3], 10)
+        assert scheduler.stats.steps >= 4 * 9
     finally:
         scheduler.stop()

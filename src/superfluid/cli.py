@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
     )
+    serve.add_argument(
+        "--host-cache-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="host memory for prefixes evicted from the KV slots; they come back without a prefill "
+        "(default: a quarter of RAM, at most 2048; 0 turns it off)",
+    )
     serve.add_argument("--offline", action="store_true", help="never download a model; use the local cache only")
     serve.add_argument(
         "--fim-tokens",
@@ -231,6 +239,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         config.socket = args.socket.expanduser()
     if args.threads is not None:
         config.threads = args.threads
+    if args.host_cache_mb is not None:
+        config.host_cache_mb = max(0, args.host_cache_mb)
     return config
 
 

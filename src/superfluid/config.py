@@ -16,6 +16,15 @@ DEFAULT_HTTP = "127.0.0.1:8453"
 MAX_FRAME = 64 << 20
 
 
+def default_host_cache_mb() -> int:
+    """Host memory for evicted prefixes: a quarter of the machine's memory, at most 2 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    except (ValueError, OSError):
+        total = 4096
+    return max(0, min(2048, total // 4))
+
+
 def home() -> Path:
     configured = os.environ.get("SUPERFLUID_HOME", "").strip()
     return Path(configured).expanduser() if configured else Path.home() / ".superfluid"
@@ -48,4 +57,4 @@ class ServeConfig:
     log_filter: str = "info"
     fim_tokens: tuple[int, int, int] | None = None
     tick_ms: float = 50.0
-    prefill_chunk: int = 512
+    host_cache_mb: int = field(default_factory=lambda: default_host_cache_mb())

@@ -209,8 +209,13 @@ class Daemon:
         }
 
     def start(self) -> int:
-        """Fence the previous run (EpochBump on every live session) and start generating."""
+        """Fence the previous run (EpochBump on every live session), re-arm pins, start generating."""
         bumped = self.store.bump_epochs()
+        now = now_ms()
+        for s in self.store.live():
+            if s.pin_deadline_unix_ms > now:
+                self.scheduler.pin(s.tokens, s.pin_deadline_unix_ms)
+                self.scheduler.warm(s.tokens)
         self.scheduler.start()
         return bumped
 
@@ -525,6 +530,7 @@ class Daemon:
                 s.params,
                 req.max_tokens,
                 qos=s.qos_class,
+                batch_invariant=s.batch_invariant,
                 splitter=splitter,
                 listener=listener,
                 provisional=provisional,
@@ -578,6 +584,7 @@ class Daemon:
             s = self._session(req.session)
             deadline = now_ms() + req.ttl_ms if req.ttl_ms else 0
             self._commit_one(s.id, B.Pinned(deadline))
+            self.scheduler.pin(s.tokens, deadline)
             return Response.Pinned(deadline)
 
     def _set_background_rate(self, req: R.SetBackgroundRate) -> Response:

@@ -99,13 +99,14 @@ class GenerationRun:
         max_tokens: int,
         *,
         qos: int,
+        batch_invariant: bool,
         splitter: ChannelSplitter,
         listener: Listener,
         provisional: bool,
         publisher: Publisher,
     ) -> None:
         self.session = session
-        self.job = Job(tokens, params, max_tokens, sink=self, qos=qos)
+        self.job = Job(tokens, params, max_tokens, sink=self, qos=qos, batch_invariant=batch_invariant)
         self.splitter = splitter
         self.listener = listener
         self.provisional = provisional

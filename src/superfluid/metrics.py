@@ -34,13 +34,25 @@ class _SchedulerCollector(Collector):
             ("warm_prefix_tokens", stats.warm_prefix_tokens, "Prompt tokens seeded from the KV cache"),
             ("cold_admissions", stats.cold_admissions, "Jobs admitted with nothing cached"),
             ("preemptions", stats.preemptions, "Lanes preempted for a higher class"),
-            ("cache_evictions", stats.evictions, "Idle KV entries evicted"),
+            ("cache_evictions", stats.evictions, "Idle KV entries moved out of their slots"),
+            ("cache_exports", stats.exports, "Evicted prefixes exported to host memory"),
+            ("cache_imports", stats.imports, "Prefixes imported back from host memory"),
+            ("prefix_holds", stats.held_for_prefix, "Steps a job waited for a lane prefilling its prefix"),
         ):
             yield CounterMetricFamily(f"superfluid_{name}", doc, value=value)
         yield GaugeMetricFamily("superfluid_lanes_active", "Lanes running a job", value=stats.lanes_active)
         yield GaugeMetricFamily("superfluid_lanes_total", "Lanes (--max-batch)", value=scheduler.max_lanes)
         yield GaugeMetricFamily(
             "superfluid_cache_entries", "Idle KV entries held for reuse", value=len(scheduler.cache)
+        )
+        host = scheduler.cache.host
+        yield GaugeMetricFamily("superfluid_host_cache_bytes", "Bytes of exported prefixes", value=host.bytes)
+        yield GaugeMetricFamily("superfluid_host_cache_budget_bytes", "--host-cache-mb in bytes", value=host.budget)
+        yield GaugeMetricFamily(
+            "superfluid_kv_slots", "KV slots (lanes and idle entries)", value=scheduler.context.shape.sequences
+        )
+        yield GaugeMetricFamily(
+            "superfluid_kv_slot_tokens", "Tokens per KV slot (--max-context)", value=scheduler.context.shape.window
         )
         depth = GaugeMetricFamily("superfluid_queue_depth", "Jobs waiting, by QoS class", labels=["class"])
         for label, value in zip(QUEUE_LABELS, stats.queue_depth, strict=True):

@@ -74,7 +74,7 @@ async def serve(config: ServeConfig) -> int:
         lanes=config.max_batch,
         window=loaded.window,
         tick_ms=config.tick_ms,
-        prefill_chunk=config.prefill_chunk,
+        host_cache_bytes=config.host_cache_mb << 20,
     )
     daemon = Daemon(store, loaded.model, loaded.template, scheduler, window=loaded.window, metrics=Metrics())
     bumped = daemon.start()

@@ -243,13 +243,13 @@ class LlamaContext:
     def export(self, seq: int) -> bytes:
         """The KV state of `seq`, to keep in host memory."""
         size = L.llama_state_seq_get_size(self._ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = L.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return bytes(buf[:written])
+        data = bytearray(size)
+        written = L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+        return bytes(memoryview(data)[:written])
 
     def restore(self, seq: int, data: bytes) -> None:
         """Load a state from `export` into `seq` (which must be empty)."""
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(bytearray(data))
         if L.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
             raise KVFull("no room in the KV pool to restore a cached prefix")
 

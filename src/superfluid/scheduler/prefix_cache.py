@@ -1,15 +1,18 @@
-"""Which token prefixes the KV slots hold, and where.
+"""Which token prefixes are cached, and where: in a KV slot, or exported to host memory.
 
 Every sequence slot of the context holds the KV of a token list from position 0: a
 lane's prompt-so-far, or an idle entry left behind by a finished job. `PrefixCache.lookup`
 finds the longest prefix of a new job's tokens held anywhere, so the job starts from a
-copy of it instead of a prefill. Idle entries are evicted least recently used first,
-unpinned before pinned.
+copy of it instead of a prefill. When a slot is needed, the least valuable idle entry
+(unpinned before pinned, least recently used first) is exported to host memory
+(`HostCache`, bounded in bytes) and imported again when a later job can use it.
+Pins (`Pin` on a session) keep matching entries in their slots until they expire.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +29,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 @dataclass
 class CacheEntry:
-    """An idle sequence holding the KV of `tokens` (positions 0 .. len - 1)."""
+    """An idle slot holding the KV of `tokens` (positions 0 .. len - 1)."""
 
     seq: int
     tokens: np.ndarray
@@ -50,23 +53,73 @@ class Seed:
     take: bool
 
 
-class PrefixCache:
-    """Idle KV entries by sequence id, and the lookup that seeds new jobs from them."""
+@dataclass
+class HostEntry:
+    """An exported slot: its tokens and llama.cpp's state bytes."""
 
-    def __init__(self) -> None:
-        self.entries: dict[int, CacheEntry] = {}
+    tokens: np.ndarray
+    state: bytes
+
+
+class HostCache:
+    """Exported prefixes in host memory, least recently used dropped first beyond `budget` bytes."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: OrderedDict[int, HostEntry] = OrderedDict()
+        self.bytes = 0
+        self._ids = 0
+
+    def add(self, tokens: np.ndarray, state: bytes) -> None:
+        if len(state) > self.budget:
+            return
+        for key, entry in list(self.entries.items()):
+            if common_prefix(entry.tokens, tokens) == len(entry.tokens):
+                self._drop(key)  # the new export extends it
+        self._ids += 1
+        self.entries[self._ids] = HostEntry(tokens, state)
+        self.bytes += len(state)
+        while self.bytes > self.budget:
+            self._drop(next(iter(self.entries)))
+
+    def lookup(self, tokens: np.ndarray, limit: int) -> tuple[HostEntry, int] | None:
+        """The entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
+        best: tuple[int, HostEntry, int] | None = None
+        for key, entry in self.entries.items():
+            length = min(common_prefix(tokens, entry.tokens), limit)
+            if length > 0 and (best is None or length > best[2]):
+                best = (key, entry, length)
+        if best is None:
+            return None
+        self.entries.move_to_end(best[0])
+        return best[1], best[2]
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= len(self.entries.pop(key).state)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, seq: int, tokens: np.ndarray, pinned_until_ms: int = 0) -> None:
-        self.entries[seq] = CacheEntry(seq, tokens, pinned_until_ms=pinned_until_ms)
+
+class PrefixCache:
+    """Idle KV entries by slot, the host tier behind them, and the pins that protect them."""
+
+    def __init__(self, host_budget: int = 0) -> None:
+        self.entries: dict[int, CacheEntry] = {}
+        self.host = HostCache(host_budget)
+        self.pins: list[tuple[np.ndarray, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, seq: int, tokens: np.ndarray, now_ms: int) -> None:
+        self.entries[seq] = CacheEntry(seq, tokens, pinned_until_ms=self.pinned_until(tokens, now_ms))
 
     def remove(self, seq: int) -> CacheEntry:
         return self.entries.pop(seq)
 
     def lookup(self, tokens: np.ndarray, running: dict[int, np.ndarray], now_ms: int) -> Seed | None:
-        """The best source for `tokens`' prefix among idle entries and running sequences.
+        """The best slot to start `tokens` from: an idle entry or a running lane.
 
         At least one token is always left to prefill, since logits come from a decode.
         """
@@ -98,12 +151,21 @@ class PrefixCache:
             return None
         return min(candidates, key=lambda e: (e.pinned(now_ms), e.last_used)).seq
 
-    def pin(self, tokens: np.ndarray, until_ms: int) -> bool:
-        """Pin every entry that `tokens` extends (or that extends `tokens`)."""
-        found = False
+    def pin(self, tokens: np.ndarray, until_ms: int) -> None:
+        """Keep entries holding `tokens` (a session's history) in their slots until `until_ms`; 0 unpins."""
+        self.pins = [(t, d) for t, d in self.pins if not np.array_equal(t, tokens)]
+        if until_ms:
+            self.pins.append((tokens, until_ms))
         for entry in self.entries.values():
-            shared = common_prefix(tokens, entry.tokens)
-            if shared == min(len(tokens), len(entry.tokens)) and shared > 0:
-                entry.pinned_until_ms = until_ms
-                found = True
-        return found
+            entry.pinned_until_ms = self.pinned_until(entry.tokens, 0)
+
+    def pinned_until(self, tokens: np.ndarray, now_ms: int) -> int:
+        """The latest pin deadline that covers `tokens`' prefix (0 when none does)."""
+        deadline = 0
+        for pinned, until in self.pins:
+            if until > now_ms and len(pinned) and common_prefix(tokens, pinned) >= min(len(pinned), len(tokens)):
+                deadline = max(deadline, until)
+        return deadline
+
+    def expire_pins(self, now_ms: int) -> None:
+        self.pins = [(t, d) for t, d in self.pins if d > now_ms]

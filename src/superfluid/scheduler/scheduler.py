@@ -1,20 +1,30 @@
-"""Continuous batching over one llama.cpp context.
+"""Continuous batching over one llama.cpp context, with QoS classes and a prefix cache.
 
 Jobs (a prompt of token ids, sampling params, a token budget) wait in one queue per QoS
-class and run on lanes; a lane is a sequence id of the shared KV pool. Each step puts
-every running lane into one `llama_decode` batch: one token for a lane that is
-decoding, a chunk of prompt for one that is prefilling. A new lane is seeded from the
-longest prefix the pool already holds (`PrefixCache`), so forks and continuations start
-warm. A tick is a run of steps (about `tick_ms` long, cut short when a lane finishes or
-new work arrives); the sink commits what a tick produced in one transaction.
+class and run on lanes; a lane is a KV slot of the context. Each step puts every running
+lane into one `llama_decode` batch: one token for a lane that is decoding, a chunk of
+prompt for one that is prefilling. A tick is a run of steps (about `tick_ms`, cut short
+when a lane finishes); the sink commits what a tick produced in one transaction.
+
+- A new lane starts from the longest prefix already cached (a slot, or host memory), so
+  forks and continuations are warm. A job that shares a long prefix with a lane still
+  prefilling it waits for that lane and copies from it: a burst is prefilled once.
+- Classes: 0 interactive, 1 completion, 2 agent, 3 background. The best class goes
+  first; a job that waits `starvation_steps` steps rises one class. An interactive or
+  completion job that finds every lane busy preempts the lowest-class lane, which keeps
+  its KV cached and resumes later from where it stopped, nothing repeated or lost.
+  While such a job prefills, no lower-class prefill runs beside it, and prefill chunks
+  stay short whenever anything is decoding, so interactive tokens come quickly.
+- `batch_invariant` lanes run alone. `background_divisor` N lets class 2 and 3 lanes
+  run only every N-th step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,15 +39,22 @@ from ..protocol.schema import (
     FINISH_ERROR,
     FINISH_GRAMMAR,
     FINISH_LENGTH,
+    FINISH_NONE,
     FINISH_STOP,
     QOS_AGENT,
+    QOS_COMPLETION,
     GenParams,
 )
-from .prefix_cache import PrefixCache, Seed
+from .prefix_cache import PrefixCache, Seed, common_prefix
 
 log = logging.getLogger("superfluid.scheduler")
 
 QOS_CLASSES = 4
+STARVATION_STEPS = 64
+HOLD_MIN_TOKENS = 128  # a shared prefix at least this long is worth waiting for
+EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
+SHORT_CHUNK = 64  # prefill tokens per step while something decodes or waits for a reply
+LONG_CHUNK = 256
 
 
 class JobSink(Protocol):
@@ -50,7 +67,10 @@ class JobSink(Protocol):
 
 @dataclass(eq=False)
 class Job:
-    """One generation: continue `tokens` by up to `max_tokens` sampled tokens."""
+    """One generation: continue `tokens` by up to `max_tokens` sampled tokens.
+
+    A job with `prefill_only` samples nothing: it fills the cache with its tokens.
+    """
 
     tokens: list[int]
     params: GenParams
@@ -58,21 +78,26 @@ class Job:
     sink: JobSink
     qos: int = QOS_AGENT
     batch_invariant: bool = False
+    prefill_only: bool = False
     grammar: Grammar | None = None
     cancelled: bool = False
     warm_prefix: int = 0
     generated: int = 0
+    admitted: bool = False
     done: bool = False
+    queued_at: int = 0  # the step it was queued at, for aging
+    order: int = 0  # first come, first served within a class
 
 
 @dataclass(eq=False)
 class Lane:
-    """A job running on a sequence id: `held` is in the KV pool, `feed` goes in next."""
+    """A job running on a slot: `held` is in the KV slot, `feed` goes in next."""
 
     seq: int
     job: Job
     held: list[int]
     feed: list[int]
+    admitted: int  # admission order, newest preempted first
 
     @property
     def decoding(self) -> bool:
@@ -90,9 +115,22 @@ class SchedulerStats:
     warm_prefix_tokens: int = 0
     cold_admissions: int = 0
     preemptions: int = 0
+    held_for_prefix: int = 0
     evictions: int = 0
+    exports: int = 0
+    imports: int = 0
     queue_depth: list[int] = field(default_factory=lambda: [0] * QOS_CLASSES)
     lanes_active: int = 0
+
+
+class _Quiet:
+    """The sink of a prefill-only job: nothing to deliver."""
+
+    def tokens(self, job: Job, tokens: list[int]) -> None:
+        pass
+
+    def finished(self, job: Job, finish: int, error: str | None) -> None:
+        pass
 
 
 class Scheduler:
@@ -105,22 +143,23 @@ class Scheduler:
         lanes: int,
         window: int,
         tick_ms: float = 50.0,
-        prefill_chunk: int = 512,
+        host_cache_bytes: int = 0,
         on_tick: Callable[[], None] = lambda: None,
         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
         self.context = context
-        self.max_lanes = lanes
+        self.max_lanes = min(lanes, context.shape.sequences)
         self.window = window
         self.tick_s = tick_ms / 1000.0
-        self.prefill_chunk = min(prefill_chunk, context.shape.batch)
         self.on_tick = on_tick
         self.now_ms = now_ms
-        self.cache = PrefixCache()
+        self.cache = PrefixCache(host_cache_bytes)
         self.stats = SchedulerStats()
         self.lanes: list[Lane] = []
         self.background_divisor = 1
-        self._queues: list[deque[Job]] = [deque() for _ in range(QOS_CLASSES)]
+        self._queue: list[Job] = []
+        self._order = itertools.count()
+        self._admissions = itertools.count()
         self._free_seqs = list(range(context.shape.sequences - 1, -1, -1))
         self._cv = threading.Condition()
         self._stopping = False
@@ -141,20 +180,32 @@ class Scheduler:
         if len(job.tokens) >= self.window:
             raise ValueError(f"prompt of {len(job.tokens)} tokens does not fit the {self.window}-token window")
         with self._cv:
-            self._queues[min(max(job.qos, 0), QOS_CLASSES - 1)].append(job)
+            job.qos = min(max(job.qos, 0), QOS_CLASSES - 1)
+            job.queued_at = self.stats.steps
+            job.order = next(self._order)
+            self._queue.append(job)
             self._cv.notify()
+
+    def warm(self, tokens: list[int]) -> None:
+        """Prefill `tokens` into the cache in the background (a pinned session after a restart)."""
+        if 1 < len(tokens) < self.window:
+            self.submit(Job(list(tokens), GenParams(0.0, 1.0, 0.0, 0, 0), 0, _Quiet(), qos=3, prefill_only=True))
 
     def cancel(self, job: Job) -> None:
         with self._cv:
             job.cancelled = True
             self._cv.notify()
 
+    def pin(self, tokens: list[int], until_ms: int) -> None:
+        with self._cv:
+            self.cache.pin(np.asarray(tokens, dtype=np.int32), until_ms)
+
     # ---- the scheduler thread ----
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self.lanes and not any(self._queues):
+                while not self._stopping and not self.lanes and not self._queue:
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -181,64 +232,126 @@ class Scheduler:
         for lane in [lane for lane in self.lanes if lane.job.cancelled]:
             self._retire(lane, FINISH_CANCELLED)
         with self._cv:
-            for queue in self._queues:
-                for job in [j for j in queue if j.cancelled]:
-                    queue.remove(job)
-                    self._finish(job, FINISH_CANCELLED)
+            cancelled = [job for job in self._queue if job.cancelled]
+            for job in cancelled:
+                self._queue.remove(job)
+        for job in cancelled:
+            self._finish(job, FINISH_CANCELLED)
 
-    def _next_job(self) -> Job | None:
-        with self._cv:
-            for queue in self._queues:
-                if queue:
-                    return queue.popleft()
-        return None
+    # ---- admission ----
+
+    def _class_now(self, job: Job) -> int:
+        """A job's class after aging: one better for every `STARVATION_STEPS` it waited."""
+        return max(0, job.qos - (self.stats.steps - job.queued_at) // STARVATION_STEPS)
 
     def _admit(self) -> None:
-        while len(self.lanes) < self.max_lanes:
-            job = self._next_job()
+        held: set[int] = set()
+        while True:
+            with self._cv:
+                waiting = [job for job in self._queue if id(job) not in held]
+                job = min(waiting, key=lambda j: (self._class_now(j), j.order), default=None)
             if job is None:
                 break
+            if self._waits_for_prefix(job):
+                held.add(id(job))
+                continue
+            if len(self.lanes) >= self.max_lanes and not self._preempt_for(job):
+                break
+            if any(lane.job.batch_invariant for lane in self.lanes) and job.qos >= self._invariant_class():
+                break  # nothing at or below a batch-invariant lane's class joins it
+            with self._cv:
+                self._queue.remove(job)
             try:
                 self.lanes.append(self._seed(job))
             except EngineError as e:
                 self._finish(job, FINISH_ERROR, f"generation failed: {e}")
         with self._cv:
-            self.stats.queue_depth = [len(q) for q in self._queues]
+            depth = [0] * QOS_CLASSES
+            for job in self._queue:
+                depth[job.qos] += 1
+            self.stats.queue_depth = depth
         self.stats.lanes_active = len(self.lanes)
+
+    def _invariant_class(self) -> int:
+        return min(lane.job.qos for lane in self.lanes if lane.job.batch_invariant)
+
+    def _waits_for_prefix(self, job: Job) -> bool:
+        """True when a running lane is prefilling a long prefix this job shares: copy it once it is in."""
+        if job.qos <= QOS_COMPLETION or job.admitted:
+            return False
+        tokens = np.asarray(job.tokens, dtype=np.int32)
+        for lane in self.lanes:
+            if not lane.feed or lane.job.generated:
+                continue
+            ahead = common_prefix(tokens, np.asarray(lane.held + lane.feed, dtype=np.int32))
+            if ahead - len(lane.held) >= HOLD_MIN_TOKENS and ahead >= HOLD_MIN_TOKENS:
+                self.stats.held_for_prefix += 1
+                return True
+        return False
+
+    def _preempt_for(self, job: Job) -> bool:
+        """Free a lane for an interactive or completion job by preempting a lower class."""
+        if self._class_now(job) > QOS_COMPLETION:
+            return False
+        candidates = [lane for lane in self.lanes if lane.job.qos > job.qos and not lane.job.batch_invariant]
+        if not candidates:
+            return False
+        lane = max(candidates, key=lambda lane: (lane.job.qos, lane.decoding, lane.admitted))
+        self._preempt(lane)
+        return True
+
+    def _preempt(self, lane: Lane) -> None:
+        """Stop a lane; its job goes back to the front of its class with the stream so far."""
+        job = lane.job
+        self.lanes.remove(lane)
+        job.tokens = lane.held + lane.feed
+        self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
+        with self._cv:
+            job.order = -next(self._order)  # ahead of everything else in its class
+            job.queued_at = self.stats.steps
+            self._queue.append(job)
+        self.stats.preemptions += 1
+        log.debug("preempted a class %d lane on slot %d after %d tokens", job.qos, lane.seq, job.generated)
 
     def _seed(self, job: Job) -> Lane:
         tokens = np.asarray(job.tokens, dtype=np.int32)
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        seed = self.cache.lookup(tokens, running, self.now_ms())
-        if (
-            seed is not None
-            and not seed.take
-            and not self._free_seqs
-            and self.cache.victim(self.now_ms(), spare=seed.seq) is None
-        ):
-            # the entry to copy from is the only one left to evict: take it over instead
-            seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
-        if seed is not None and seed.take:
-            seq = seed.seq
-            self.cache.remove(seq)
-            self.context.truncate(seq, seed.length)
+        now = self.now_ms()
+        seed = self.cache.lookup(tokens, running, now)
+        hosted = self.cache.host.lookup(tokens, len(tokens) - 1)
+        if hosted is not None and hosted[1] > (seed.length if seed else 0) + EXPORT_MIN_TOKENS:
+            seq = self._free_seq()
+            entry, length = hosted
+            self.context.restore(seq, entry.state)
+            self.context.truncate(seq, length)
+            self.stats.imports += 1
+            source = f"{length} warm from host memory"
         else:
-            seq = self._free_seq(spare=seed.seq if seed is not None else None)
-            if seed is not None:
-                self.context.copy(seed.seq, seq, seed.length)
-                self.cache.touch(seed.seq)
-        length = seed.length if seed is not None else 0
-        log.debug(
-            "admit %d tokens on slot %d: %s",
-            len(job.tokens),
-            seq,
-            "cold" if seed is None else f"{length} warm from slot {seed.seq} ({'taken' if seed.take else 'copied'})",
-        )
-        job.warm_prefix = length
-        self.stats.warm_prefix_tokens += length
-        if length == 0:
-            self.stats.cold_admissions += 1
-        return Lane(seq, job, list(job.tokens[:length]), list(job.tokens[length:]))
+            starved = not self._free_seqs and seed is not None and self.cache.victim(now, spare=seed.seq) is None
+            if seed is not None and not seed.take and starved:
+                # the entry to copy from is the only one left to evict: take it over instead
+                seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
+            if seed is not None and seed.take:
+                seq = seed.seq
+                self.cache.remove(seq)
+                self.context.truncate(seq, seed.length)
+            else:
+                seq = self._free_seq(spare=seed.seq if seed is not None else None)
+                if seed is not None:
+                    self.context.copy(seed.seq, seq, seed.length)
+                    self.cache.touch(seed.seq)
+            length = seed.length if seed is not None else 0
+            source = "cold" if seed is None else f"{length} warm from slot {seed.seq}"
+        log.debug("admit %d tokens (class %d) on slot %d: %s", len(tokens), job.qos, seq, source)
+        if not job.admitted:
+            job.warm_prefix = length
+            self.stats.warm_prefix_tokens += length
+            self.stats.cold_admissions += length == 0
+            job.admitted = True
+        feed = list(job.tokens[length:])
+        if job.prefill_only:
+            feed = feed[:-1]
+        return Lane(seq, job, list(job.tokens[:length]), feed, next(self._admissions))
 
     def _free_seq(self, spare: int | None = None) -> int:
         """A slot for a new lane, evicting an idle entry if need be (never `spare`)."""
@@ -247,19 +360,30 @@ class Scheduler:
         return self._free_seqs.pop()
 
     def _evict(self, spare: int | None = None) -> bool:
-        """Drop the least valuable idle entry other than `spare`; False when there is none."""
+        """Move the least valuable idle entry out of its slot, to host memory when it is worth it."""
         victim = self.cache.victim(self.now_ms(), spare=spare)
         if victim is None:
             return False
-        self.cache.remove(victim)
+        entry = self.cache.remove(victim)
+        if len(entry.tokens) >= EXPORT_MIN_TOKENS and self.cache.host.budget:
+            self.cache.host.add(entry.tokens, self.context.export(victim))
+            self.stats.exports += 1
         self.context.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
         return True
 
+    # ---- a step ----
+
     def _step(self) -> bool:
-        """One decode over every lane; returns True when a lane finished."""
+        """One decode over every lane that runs this step; returns True when a job ended."""
+        finished = self._retire_prefilled()
         plan = self._plan()
+        if not plan:
+            if not finished:
+                time.sleep(0.005)  # throttled by the background rate: nothing runs this step
+            self.stats.steps += 1
+            return finished
         tokens = np.fromiter((t for _, chunk, _ in plan for t in chunk), dtype=np.int32)
         positions = np.concatenate([np.arange(start, start + len(chunk), dtype=np.int32) for _, chunk, start in plan])
         seqs = np.concatenate([np.full(len(chunk), lane.seq, dtype=np.int32) for lane, chunk, _ in plan])
@@ -268,7 +392,7 @@ class Scheduler:
         end = 0
         for lane, chunk, _ in plan:
             end += len(chunk)
-            if len(chunk) == len(lane.feed):
+            if len(chunk) == len(lane.feed) and not lane.job.prefill_only:
                 want[end - 1] = 1
                 owners.append(lane)
         while True:
@@ -291,28 +415,50 @@ class Scheduler:
                 self.stats.decode_tokens += len(chunk)
             else:
                 self.stats.prefill_tokens += len(chunk)
-        finished = False
         for row, lane in enumerate(owners):
             finished |= self._advance(lane, logits[row])
-        return finished
+        return finished | self._retire_prefilled()
+
+    def _retire_prefilled(self) -> bool:
+        done = [lane for lane in self.lanes if lane.job.prefill_only and not lane.feed]
+        for lane in done:
+            self._retire(lane, FINISH_NONE)
+        return bool(done)
 
     def _plan(self) -> list[tuple[Lane, list[int], int]]:
         """Which tokens of which lanes go into this step's batch."""
+        lanes = self.lanes
+        invariant = [lane for lane in lanes if lane.job.batch_invariant]
+        if invariant:
+            lanes = invariant[:1]
+        step = self.stats.steps
+        throttled = self.background_divisor > 1 and step % self.background_divisor != 0
+        runnable = [lane for lane in lanes if lane.feed and not (throttled and lane.job.qos >= QOS_AGENT)]
+        urgent = any(lane.job.qos <= QOS_COMPLETION for lane in self.lanes) or self._urgent_waiting()
         budget = self.context.shape.batch
         plan = []
-        decoding = [lane for lane in self.lanes if lane.decoding]
-        prefilling = sorted((lane for lane in self.lanes if not lane.decoding), key=lambda lane: len(lane.feed))
+        decoding = [lane for lane in runnable if lane.decoding]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
             budget -= 1
-        chunk = self.prefill_chunk if not decoding else max(self.prefill_chunk // 4, 32)
+        prefilling = sorted(
+            (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
+        )
+        urgent_prefill = any(lane.job.qos <= QOS_COMPLETION for lane in prefilling)
         for lane in prefilling:
+            if urgent_prefill and lane.job.qos > QOS_COMPLETION:
+                break  # an interactive prompt finishes with no lower-class prefill beside it
+            chunk = LONG_CHUNK if lane.job.qos <= QOS_COMPLETION or not (decoding or urgent) else SHORT_CHUNK
             take = min(len(lane.feed), chunk, budget)
             if take <= 0:
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
         return plan
+
+    def _urgent_waiting(self) -> bool:
+        with self._cv:
+            return any(job.qos <= QOS_COMPLETION for job in self._queue)
 
     def _advance(self, lane: Lane, logits: np.ndarray) -> bool:
         """Sample the lane's next token; returns True when its job is over."""
@@ -321,10 +467,10 @@ class Scheduler:
         grammar = job.grammar
         if grammar is None:
             token = sample(logits, job.params, position)
-        elif job.params.temperature <= 0 and grammar.allows(token := int(np.argmax(logits))):
-            pass  # greedy: the best token is allowed, no need to mask the whole vocabulary
         else:
-            token = sample(grammar.mask(logits), job.params, position)
+            token = int(np.argmax(logits))
+            if job.params.temperature > 0 or not grammar.allows(token):
+                token = sample(grammar.mask(logits), job.params, position)
         if self.context.model.end_of_generation[token]:
             self._retire(lane, FINISH_STOP if grammar is None else FINISH_GRAMMAR)
             return True
@@ -333,13 +479,14 @@ class Scheduler:
         job.generated += 1
         job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
+            lane.feed = [token]  # sampled, not yet decoded: the slot holds everything before it
             self._retire(lane, FINISH_LENGTH)
             return True
         lane.feed = [token]
         return False
 
     def _shed(self, plan: list[tuple[Lane, list[int], int]]) -> bool:
-        """The pool is full of live lanes: fail the one with the most prompt left."""
+        """No room for the batch and nothing to evict: fail the lane with the most prompt left."""
         lane = max((lane for lane, _, _ in plan), key=lambda lane: (len(lane.feed), lane.seq))
         self._retire(
             lane,
@@ -353,7 +500,7 @@ class Scheduler:
     def _retire(self, lane: Lane, finish: int, error: str | None = None, *, keep: bool = True) -> None:
         self.lanes.remove(lane)
         if keep and lane.held:
-            self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32))
+            self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
         else:
             self.context.truncate(lane.seq, 0)
             self._free_seqs.append(lane.seq)
