@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # this CPU without them.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 
-.PHONY: serve test chromium clean
+.PHONY: serve test bench chromium clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,12 @@ serve: $(STAMP)
 	$(BIN)/superfluid serve
 
 test: $(STAMP) chromium
-	$(BIN)/ruff check src tests clients
-	$(BIN)/ruff format --check src tests clients
+	$(BIN)/ruff check src tests clients bench
+	$(BIN)/ruff format --check src tests clients bench
 	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
 
 # The browser test drives Debian's chromium with Playwright (no browser download).
 chromium:

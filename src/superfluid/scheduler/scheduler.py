@@ -13,8 +13,9 @@ when a lane finishes); the sink commits what a tick produced in one transaction.
   first; a job that waits `starvation_steps` steps rises one class. An interactive or
   completion job that finds every lane busy preempts the lowest-class lane, which keeps
   its KV cached and resumes later from where it stopped, nothing repeated or lost.
-  While such a job prefills, no lower-class prefill runs beside it, and prefill chunks
-  stay short whenever anything is decoding, so interactive tokens come quickly.
+  While such a job prefills, no lower-class prefill runs beside it. Each step's prefill
+  is sized from the measured cost of a token to last about `STEP_TARGET_S`, so an
+  arrival never waits long for the step in flight.
 - `batch_invariant` lanes run alone. `background_divisor` N lets class 2 and 3 lanes
   run only every N-th step.
 """
@@ -51,10 +52,10 @@ log = logging.getLogger("superfluid.scheduler")
 
 QOS_CLASSES = 4
 STARVATION_STEPS = 64
-HOLD_MIN_TOKENS = 128  # a shared prefix at least this long is worth waiting for
+HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this long is worth waiting for
 EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
-SHORT_CHUNK = 64  # prefill tokens per step while something decodes or waits for a reply
-LONG_CHUNK = 256
+STEP_TARGET_S = 0.25  # a step's work: what an interactive arrival may have to wait for
+MIN_PREFILL = 16
 
 
 class JobSink(Protocol):
@@ -157,6 +158,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.lanes: list[Lane] = []
         self.background_divisor = 1
+        self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
         self._queue: list[Job] = []
         self._order = itertools.count()
         self._admissions = itertools.count()
@@ -284,7 +286,7 @@ class Scheduler:
             if not lane.feed or lane.job.generated:
                 continue
             ahead = common_prefix(tokens, np.asarray(lane.held + lane.feed, dtype=np.int32))
-            if ahead - len(lane.held) >= HOLD_MIN_TOKENS and ahead >= HOLD_MIN_TOKENS:
+            if ahead >= HOLD_MIN_TOKENS and ahead > len(lane.held):
                 self.stats.held_for_prefix += 1
                 return True
         return False
@@ -397,7 +399,11 @@ class Scheduler:
                 owners.append(lane)
         while True:
             try:
+                started = time.perf_counter()
                 logits = self.context.decode(tokens, positions, seqs, want)
+                if len(tokens) >= MIN_PREFILL + len(owners):
+                    cost = (time.perf_counter() - started) / len(tokens)
+                    self._token_cost = 0.8 * self._token_cost + 0.2 * cost
                 break
             except KVFull:
                 if self._evict():
@@ -431,34 +437,27 @@ class Scheduler:
         invariant = [lane for lane in lanes if lane.job.batch_invariant]
         if invariant:
             lanes = invariant[:1]
-        step = self.stats.steps
-        throttled = self.background_divisor > 1 and step % self.background_divisor != 0
+        throttled = self.background_divisor > 1 and self.stats.steps % self.background_divisor != 0
         runnable = [lane for lane in lanes if lane.feed and not (throttled and lane.job.qos >= QOS_AGENT)]
-        urgent = any(lane.job.qos <= QOS_COMPLETION for lane in self.lanes) or self._urgent_waiting()
-        budget = self.context.shape.batch
         plan = []
         decoding = [lane for lane in runnable if lane.decoding]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
-            budget -= 1
+        budget = max(MIN_PREFILL, int(STEP_TARGET_S / self._token_cost) - len(decoding))
+        budget = min(budget, self.context.shape.batch - len(decoding))
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
-        urgent_prefill = any(lane.job.qos <= QOS_COMPLETION for lane in prefilling)
+        urgent = any(lane.job.qos <= QOS_COMPLETION for lane in prefilling)
         for lane in prefilling:
-            if urgent_prefill and lane.job.qos > QOS_COMPLETION:
+            if urgent and lane.job.qos > QOS_COMPLETION:
                 break  # an interactive prompt finishes with no lower-class prefill beside it
-            chunk = LONG_CHUNK if lane.job.qos <= QOS_COMPLETION or not (decoding or urgent) else SHORT_CHUNK
-            take = min(len(lane.feed), chunk, budget)
+            take = min(len(lane.feed), budget)
             if take <= 0:
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
         return plan
-
-    def _urgent_waiting(self) -> bool:
-        with self._cv:
-            return any(job.qos <= QOS_COMPLETION for job in self._queue)
 
     def _advance(self, lane: Lane, logits: np.ndarray) -> bool:
         """Sample the lane's next token; returns True when its job is over."""
