@@ -66,6 +66,11 @@ def test_marker_text_in_content_cannot_forge_a_turn(model: LlamaModel, template:
 def test_chatml_fallback_and_refusals(model: LlamaModel) -> None:
     chatml = ChatTemplate(CHATML, model.tokenize)
     assert text(model, chatml.message(1, "x", first=True)) == "<|im_start|>user\nx<|im_end|>\n"
+    with_bos = ChatTemplate(CHATML, model.tokenize, bos_token=0)  # a model whose BOS the template never writes
+    assert with_bos.message(1, "x", first=True) == [0, *chatml.message(1, "x", first=True)]
+    assert with_bos.message(1, "x", first=False) == chatml.message(1, "x", first=False)
+    own_bos = ChatTemplate(CHATML, model.tokenize, bos_token=model.bos)  # SmolLM2: the template starts with it
+    assert own_bos.message(1, "x", first=True) == chatml.message(1, "x", first=True)
     with pytest.raises(TemplateProblem, match="cannot render a user message"):
         ChatTemplate("{{ raise_exception('no') }}", model.tokenize)
 

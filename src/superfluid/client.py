@@ -43,9 +43,6 @@ class SocketClient:
         payload = postcard.encode(request, Request)
         self._sock.sendall(len(payload).to_bytes(4, "little") + payload)
 
-    def send_raw(self, data: bytes) -> None:
-        self._sock.sendall(data)
-
     def receive(self) -> Any:
         length = int.from_bytes(self._read(4), "little")
         return postcard.decode(self._read(length), Response)

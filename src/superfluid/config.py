@@ -50,7 +50,6 @@ class ServeConfig:
     threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     http: str = DEFAULT_HTTP
     no_http: bool = False
-    tui: bool = False
     web: str | None = None
     web_origins: list[str] = field(default_factory=list)
     offline: bool = False

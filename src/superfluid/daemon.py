@@ -324,7 +324,7 @@ class Daemon:
                 if not tools:
                     span = self.template.message(ROLE_SYSTEM, text, first=True)
                 elif self.template.supports_tools:
-                    span = self.template.framed(self.template.system_with_tools(tools), text)
+                    span = self.template.framed(self.template.system_with_tools(tools), text, first=True)
                 else:
                     span = self.template.message(ROLE_SYSTEM, fallback_system_text(text, tools), first=True)
             except TemplateProblem as e:

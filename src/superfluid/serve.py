@@ -51,6 +51,7 @@ def load(config: ServeConfig) -> Loaded:
         model.tokenize,
         bos_text=model.token_text(model.bos) if model.bos >= 0 else "",
         eos_text=model.token_text(model.eos) if model.eos >= 0 else "",
+        bos_token=model.bos if model.add_bos and model.bos >= 0 else None,
     )
     trained = model.n_ctx_train or 8192
     window = config.max_context or min(trained, 8192)

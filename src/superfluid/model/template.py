@@ -68,7 +68,15 @@ def _raise(message: str) -> None:
 class ChatTemplate:
     """A model's chat template, probed at load into per-role frames."""
 
-    def __init__(self, source: str, tokenize: Tokenize, *, bos_text: str = "", eos_text: str = "") -> None:
+    def __init__(
+        self,
+        source: str,
+        tokenize: Tokenize,
+        *,
+        bos_text: str = "",
+        eos_text: str = "",
+        bos_token: int | None = None,
+    ) -> None:
         # the environment Hugging Face renders chat templates in
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -84,6 +92,7 @@ class ChatTemplate:
         self._tokenize = tokenize
         self._bos_text = bos_text
         self._eos_text = eos_text
+        self._bos_token = bos_token  # a model that wants BOS first gets it, if the template does not write it
         self.supports_tools = "tools" in source
         probe = {"role": "system", "content": "sf-probe"}
         self._first: dict[int, Frame] = {}
@@ -172,11 +181,14 @@ class ChatTemplate:
 
     def message(self, role: int, text: str, *, first: bool) -> list[int]:
         """Tokens of one message: template text with specials, content as plain text."""
-        frame = self.frame_for(role, first)
-        return self.framed(frame, text)
+        return self.framed(self.frame_for(role, first), text, first=first)
 
-    def framed(self, frame: Frame, text: str) -> list[int]:
-        return self._tokenize(frame.before, True) + self._tokenize(text, False) + self._tokenize(frame.after, True)
+    def framed(self, frame: Frame, text: str, *, first: bool = False) -> list[int]:
+        """Template text with specials, content as plain text; the model's BOS first if `first` needs it."""
+        tokens = self._tokenize(frame.before, True) + self._tokenize(text, False) + self._tokenize(frame.after, True)
+        if first and self._bos_token is not None and tokens[:1] != [self._bos_token]:
+            tokens.insert(0, self._bos_token)
+        return tokens
 
     def system_with_tools(self, tools: list[dict[str, Any]]) -> Frame:
         """The frame of a first system turn that declares `tools` through the template."""

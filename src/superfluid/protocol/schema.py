@@ -30,15 +30,6 @@ OUTCOME_FAILED, OUTCOME_CANCELLED = 1, 2
 
 LEDGER_OPEN, LEDGER_CANCEL_REQUESTED, LEDGER_SUCCEEDED, LEDGER_FAILED = 0, 1, 2, 3
 LEDGER_CANCELLED, LEDGER_EXPIRED, LEDGER_CANCELLED_WITH_LATE_EFFECT = 4, 5, 6
-LEDGER_STATE_NAMES = {
-    0: "open",
-    1: "cancel_requested",
-    2: "closed",
-    3: "failed",
-    4: "cancelled",
-    5: "expired",
-    6: "cancelled_with_late_effect",
-}
 
 QOS_INTERACTIVE, QOS_COMPLETION, QOS_AGENT, QOS_BACKGROUND = 0, 1, 2, 3
 QOS_NAMES = {0: "interactive", 1: "completion", 2: "agent", 3: "background"}

@@ -43,6 +43,7 @@ from ..protocol.schema import (
     FINISH_NONE,
     FINISH_STOP,
     QOS_AGENT,
+    QOS_BACKGROUND,
     QOS_COMPLETION,
     GenParams,
 )
@@ -191,7 +192,8 @@ class Scheduler:
     def warm(self, tokens: list[int]) -> None:
         """Prefill `tokens` into the cache in the background (a pinned session after a restart)."""
         if 1 < len(tokens) < self.window:
-            self.submit(Job(list(tokens), GenParams(0.0, 1.0, 0.0, 0, 0), 0, _Quiet(), qos=3, prefill_only=True))
+            greedy = GenParams(0.0, 1.0, 0.0, 0, 0)
+            self.submit(Job(list(tokens), greedy, 0, _Quiet(), qos=QOS_BACKGROUND, prefill_only=True))
 
     def cancel(self, job: Job) -> None:
         with self._cv:

@@ -183,8 +183,8 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.post("/web/rpc")
-    async def rpc(request: HttpRequest) -> Response:
+    async def checked(request: HttpRequest, tp: Any, what: str) -> tuple[Any, Any] | Response:
+        """The body, parsed and decoded as `tp`, or the response refusing the request."""
         refused = auth.http(request)
         if refused is not None:
             return refused
@@ -192,9 +192,16 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
         if isinstance(body, Response):
             return body
         try:
-            call = jsoncodec.from_json(body, Request)
+            return body, jsoncodec.from_json(body, tp)
         except jsoncodec.JsonShapeError as e:
-            return _err(422, f"invalid request: {e}")
+            return _err(422, f"invalid {what}: {e}")
+
+    @app.post("/web/rpc")
+    async def rpc(request: HttpRequest) -> Response:
+        parsed = await checked(request, Request, "request")
+        if isinstance(parsed, Response):
+            return parsed
+        _, call = parsed
         if isinstance(call, (Request.Generate, Request.Subscribe, Request.Unsubscribe)):
             return _reply(Reply.Err(STREAMING_ON_RPC))
         if isinstance(call, Request.Complete) and (wait := rpc_bucket.take()):
@@ -207,16 +214,10 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
 
     @app.post("/web/stream")
     async def stream(request: HttpRequest) -> Response:
-        refused = auth.http(request)
-        if refused is not None:
-            return refused
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            ask = jsoncodec.from_json(body, StreamRequest)
-        except jsoncodec.JsonShapeError as e:
-            return _err(422, f"invalid stream request: {e}")
+        parsed = await checked(request, StreamRequest, "stream request")
+        if isinstance(parsed, Response):
+            return parsed
+        body, ask = parsed
         try:
             grammar = daemon.grammar_for(
                 gbnf=body.get("grammar"), json_schema=body.get("json_schema"), tool=body.get("tool")
