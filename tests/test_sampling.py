@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superfluid.engine.sampling import sample, splitmix64, uniform
+from superfluid.engine.sampling import sample, splitmix64, uniform, weights
 from superfluid.protocol.schema import GenParams
 
 
@@ -27,24 +27,21 @@ def reference(logits: np.ndarray, p: GenParams, position: int) -> int:
     """The rules read literally: sort everything, cut, draw."""
     if p.temperature <= 0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / p.temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    w = weights(logits, p.temperature).astype(np.float64)
+    total = w.sum()
+    order = sorted(range(len(w)), key=lambda i: (-w[i], i))
     keep = len(order)
     if 0 < p.top_k < len(order):
         keep = p.top_k
     if p.min_p > 0:
-        keep = min(keep, sum(1 for i in order if probs[i] >= p.min_p * probs[order[0]]))
+        keep = min(keep, sum(1 for i in order if w[i] >= np.float32(p.min_p)))
     if 0 < p.top_p < 1:
-        total = 0.0
-        for n, i in enumerate(order[:keep]):
-            total += probs[i]
-            if total >= p.top_p:
-                keep = n + 1
-                break
+        mass = np.cumsum([w[i] for i in order[:keep]])
+        reached = np.flatnonzero(mass >= p.top_p * total)
+        if len(reached):
+            keep = int(reached[0]) + 1
     kept = order[:keep]
-    masses = np.cumsum([probs[i] for i in kept])
+    masses = np.cumsum([w[i] for i in kept])
     target = uniform(p.seed, position) * masses[-1]
     index = int(np.searchsorted(masses, target, side="right"))
     return kept[min(index, keep - 1)]

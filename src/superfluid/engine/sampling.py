@@ -31,24 +31,30 @@ def uniform(seed: int, position: int) -> float:
     return (splitmix64((seed + position) & MASK64) >> 11) / float(1 << 53)
 
 
+def weights(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Unnormalised softmax weights of logits / temperature, as float32 (the best is 1)."""
+    x = np.asarray(logits, dtype=np.float32)
+    scaled = (x - x.max()) * np.float32(1.0 / temperature)
+    return np.exp(scaled, out=scaled)
+
+
 def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
     """Choose the token for stream position `position` from a row of logits."""
     if params.temperature <= 0.0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    vocab = probs.shape[0]
+    w = weights(logits, params.temperature)
+    total = float(w.sum(dtype=np.float64))
+    vocab = w.shape[0]
     limit = params.top_k if 0 < params.top_k < vocab else vocab
     if params.min_p > 0.0:
-        limit = min(limit, int(np.count_nonzero(probs >= params.min_p * probs.max())))
-    top_p = params.top_p if 0.0 < params.top_p < 1.0 else None
+        limit = min(limit, int(np.count_nonzero(w >= np.float32(params.min_p))))  # the best weight is 1
+    top_p = params.top_p * total if 0.0 < params.top_p < 1.0 else None
     u = uniform(params.seed, position)
     size = 64
     while True:
         m = min(size, limit)
-        best = _best(probs, m)
-        cumulative = np.cumsum(probs[best])
+        best = _best(w, m)
+        cumulative = np.cumsum(w[best], dtype=np.float64)
         keep = None
         if top_p is not None:
             hit = int(np.searchsorted(cumulative, top_p))
@@ -61,26 +67,20 @@ def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
             return int(best[min(int(np.searchsorted(cumulative[:keep], target, side="right")), keep - 1)])
         if top_p is None:
             # the cut is the `limit` best: its mass is known without sorting it all
-            target = u * _mass_of_best(probs, limit)
+            mass = total if limit >= vocab else float(w[_best(w, limit)].sum(dtype=np.float64))
+            target = u * mass
             if cumulative[-1] > target:
                 return int(best[int(np.searchsorted(cumulative, target, side="right"))])
         size *= 8
 
 
-def _best(probs: np.ndarray, m: int) -> np.ndarray:
-    """Indices of the m most probable tokens, by probability then lower id."""
-    n = probs.shape[0]
+def _best(w: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the m heaviest tokens, by weight then lower id."""
+    n = w.shape[0]
     if m >= n:
         candidates = np.arange(n)
     else:
-        threshold = np.partition(probs, n - m)[n - m]
-        candidates = np.flatnonzero(probs >= threshold)
-    order = np.lexsort((candidates, -probs[candidates]))
+        threshold = np.partition(w, n - m)[n - m]
+        candidates = np.flatnonzero(w >= threshold)
+    order = np.lexsort((candidates, -w[candidates]))
     return candidates[order][:m]
-
-
-def _mass_of_best(probs: np.ndarray, m: int) -> float:
-    n = probs.shape[0]
-    if m >= n:
-        return float(probs.sum())
-    return float(probs[_best(probs, m)].sum())
