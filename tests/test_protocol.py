@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from typing import Any
@@ -228,3 +229,21 @@ def test_non_finite_f32_becomes_null_in_json() -> None:
     value = GenParams(float("inf"), 1.0, 0.0, 0, 0)
     assert json.loads(jsoncodec.dumps(value))["temperature"] is None
     assert struct.unpack("<f", postcard.encode(value)[:4])[0] == float("inf")
+
+
+@settings(max_examples=2000, deadline=None)
+@given(data=st.binary(max_size=64))
+def test_any_bytes_decode_or_raise_decode_error(data: bytes) -> None:
+    for root in (Request, Response):
+        with contextlib.suppress(postcard.DecodeError):  # anything else fails the test
+            postcard.decode(data, root)
+
+
+def test_deep_nesting_is_a_clean_refusal() -> None:
+    deep = '{"Rebase":{"session":1,"edits":' + "[" * 100_000 + "]" * 100_000 + ',"params":null}}'
+    with pytest.raises(jsoncodec.JsonShapeError, match="nested too deeply"):
+        jsoncodec.loads(deep, Request)
+    # Rerooted nests EventBody in itself: a crafted frame nests it past the stack
+    nested = bytes.fromhex("0f 00 01 00") * 20_000
+    with pytest.raises(postcard.DecodeError):
+        postcard.decode(nested, EventBody)

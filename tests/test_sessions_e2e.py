@@ -248,6 +248,8 @@ def test_set_meta_archives_and_versions(sf: SocketClient) -> None:
         (lambda s: Request.SetQos(s, 9, False), "unknown QoS class 9"),
         (lambda s: Request.Cancel(s), "session {s} has no generation in flight"),
         (lambda s: Request.Create(999_999, GREEDY), "unknown session 999999"),
+        (lambda s: Request.Create(None, GenParams(float("nan"), 1.0, 0.0, 0, 0)), "params.temperature must be"),
+        (lambda s: Request.Fork(s, 1, GenParams(0.5, 1.5, 0.0, 0, 0)), "params.top_p must be a number from 0 to 1"),
         (lambda s: Request.AppendSystem(s, None, []), "AppendSystem needs text, tools, or both"),
         (lambda s: Request.AppendSystem(s, "x", ['{"description": 1}']), "tool 0 is not a function declaration"),
         (lambda s: Request.AppendSystem(s, "sys", []), "already has a prompt; AppendSystem must come before"),

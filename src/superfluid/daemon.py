@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -266,6 +267,7 @@ class Daemon:
     # ---- creating and appending ----
 
     def _create(self, req: R.Create) -> Response:
+        _check_params(req.params)
         with self.store.lock:
             if req.parent is not None:
                 self._session(req.parent)
@@ -401,6 +403,8 @@ class Daemon:
     # ---- branching ----
 
     def _fork(self, req: R.Fork) -> Response:
+        if req.params is not None:
+            _check_params(req.params)
         with self.store.lock:
             parent = self._session(req.session)
             self._check_point(parent, req.at_event)
@@ -413,6 +417,8 @@ class Daemon:
             raise DaemonError(f"fork point {n} is outside session {s.id}'s committed events (1..={s.next_id})")
 
     def _rebase(self, req: R.Rebase) -> Response:
+        if req.params is not None:
+            _check_params(req.params)
         with self.store.lock:
             parent = self._session(req.session)
             return Response.Created(self._rebase_into(parent, req.edits, req.params))
@@ -846,6 +852,18 @@ class Daemon:
                 busy = next(t for t in targets if t in self.running)
                 raise DaemonError(f"session {busy} did not quiesce for purge (lane still running)")
             await asyncio.sleep(0.005)
+
+
+def _check_params(params: GenParams) -> None:
+    """Sampling parameters the sampler can use: finite, temperature >= 0, top_p and min_p in [0, 1]."""
+    for name, value, top in (
+        ("temperature", params.temperature, math.inf),
+        ("top_p", params.top_p, 1.0),
+        ("min_p", params.min_p, 1.0),
+    ):
+        if not (math.isfinite(value) and 0.0 <= value <= top):
+            accepted = "a finite number of at least 0" if top == math.inf else "a number from 0 to 1"
+            raise DaemonError(f"params.{name} must be {accepted}, not {value}")
 
 
 def _check_edits(edits: list[Any], next_id: int) -> None:

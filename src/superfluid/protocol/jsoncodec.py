@@ -58,9 +58,11 @@ def loads(text: str | bytes, tp: Any) -> Any:
     """Parse JSON text into a schema value of type `tp`."""
     try:
         obj = json.loads(text)
+        return from_json(obj, tp)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise JsonShapeError(str(e)) from None
-    return from_json(obj, tp)
+    except RecursionError:
+        raise JsonShapeError("the JSON is nested too deeply") from None
 
 
 def _out(value: Any, shape: Any) -> Any:

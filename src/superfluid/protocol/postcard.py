@@ -44,7 +44,10 @@ def encode(value: Any, tp: Any = None) -> bytes:
 def decode(data: bytes, tp: Any) -> Any:
     """Decode one value of type `tp` from the start of `data`."""
     reader = _Reader(memoryview(data))
-    return _decode(reader, shape_of(tp))
+    try:
+        return _decode(reader, shape_of(tp))
+    except RecursionError:
+        raise DecodeError("the value is nested too deeply") from None
 
 
 def _root_type(value: Any) -> Any:

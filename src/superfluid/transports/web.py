@@ -167,6 +167,8 @@ async def _json_body(request: HttpRequest) -> Any:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _err(400, f"invalid JSON body: {e}")
+    except RecursionError:
+        return _err(400, "invalid JSON body: nested too deeply")
 
 
 def _frame(obj: Any) -> str:
@@ -195,6 +197,8 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             return body, jsoncodec.from_json(body, tp)
         except jsoncodec.JsonShapeError as e:
             return _err(422, f"invalid {what}: {e}")
+        except RecursionError:
+            return _err(422, f"invalid {what}: nested too deeply")
 
     @app.post("/web/rpc")
     async def rpc(request: HttpRequest) -> Response:
