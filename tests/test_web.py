@@ -471,6 +471,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
                 "512",
                 "--max-batch",
                 "1",
+                "--no-http",
             ],
             capture_output=True,
             text=True,

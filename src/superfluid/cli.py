@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--http",
         default=DEFAULT_HTTP,
         metavar="ADDR",
-        help=f"address of the OpenAI/Anthropic/Ollama listener; not served by this version (default: {DEFAULT_HTTP})",
+        help=f"address of the OpenAI, Anthropic and Ollama routes (default: {DEFAULT_HTTP})",
     )
     serve.add_argument("--no-http", action="store_true", help="serve the session API only (socket, and --web if given)")
     serve.add_argument(
@@ -250,17 +250,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from .logsetup import parse_directive, setup_logging
         from .serve import run
+        from .transports.listener import split_address
         from .transports.web import parse_web_address
 
         try:
             parse_directive(args.log_filter)
         except ValueError as e:
             parser.error(str(e))
-        if args.web:
-            try:
+        try:
+            if args.web:
                 parse_web_address(args.web)
-            except ValueError as e:
-                parser.error(str(e))
+            split_address(args.http)
+        except ValueError as e:
+            parser.error(str(e))
         config = serve_config(args)
         setup_logging(config.log_filter)
         return run(config)

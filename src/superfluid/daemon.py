@@ -39,6 +39,7 @@ from .protocol.schema import (
     MODEL_VISIBILITY_VERSION,
     OUTCOME_CANCELLED,
     OUTCOME_FAILED,
+    QOS_AGENT,
     QOS_COMPLETION,
     QOS_NAMES,
     ROLE_ASSISTANT,
@@ -275,6 +276,20 @@ class Daemon:
             self.store.commit([(session, B.Created(req.parent, req.params))])
         return Response.Created(session)
 
+    def open_chat(self, params: GenParams, prompt: list[int], opener: list[int], qos: int) -> int:
+        """A fresh session holding a whole rendered conversation, ready to generate (the HTTP APIs)."""
+        _check_params(params)
+        with self.store.lock:
+            session = self.store.reserve_id()
+            writes: list[tuple[int, EventBody]] = [(session, B.Created(None, params))]
+            if qos != QOS_AGENT:
+                writes.append((session, B.QosSet(qos, False)))
+            writes.append((session, B.Appended(None, prompt)))
+            if opener:
+                writes.append((session, B.GenerationPrompt(opener)))
+            self.store.commit(writes)
+        return session
+
     def _append(self, req: R.Append) -> Response:
         with self.store.lock:
             state = self._session(req.session)
@@ -485,7 +500,7 @@ class Daemon:
             if tool is not None:
                 function = normalize_tool(tool)["function"]
                 markers = self.template.call_markers
-                return tool_call_grammar(function["name"], function["parameters"], markers.open, markers.close)
+                return tool_call_grammar([(function["name"], function["parameters"])], markers.open, markers.close)
         except (GrammarError, ToolDeclarationError) as e:
             raise DaemonError(str(e)) from None
         return None
@@ -907,7 +922,7 @@ def _body_at(s: SessionState, event_id: int) -> EventBody | None:
 
 
 def _open_turn(s: SessionState) -> list[int]:
-    """The tokens of the turn a continuation extends: everything after the last input turn."""
+    """The tokens of the turn a continuation extends: from its opener, or after the last input turn."""
     tokens: list[int] = []
     for event in reversed(s.events):
         body = event.body
@@ -915,6 +930,8 @@ def _open_turn(s: SessionState) -> list[int]:
             break
         if isinstance(body, (B.Appended, B.GenerationPrompt, B.Generated)):
             tokens[:0] = body.span
+        if isinstance(body, B.GenerationPrompt):
+            break
     return tokens
 
 

@@ -17,6 +17,7 @@ from .model.resolve import resolve_model
 from .model.template import CHATML, ChatTemplate
 from .scheduler.scheduler import Scheduler
 from .store.sessions import SessionStore
+from .transports.http import ApiServer
 from .transports.socket import SocketServer
 from .transports.web import WebServer, mint_token
 
@@ -93,10 +94,13 @@ async def serve(config: ServeConfig) -> int:
     )
     if web_server is not None:
         print(f"web: {url}/web/ (token in {token_path})", flush=True)
+    api_server = None
     if not config.no_http:
-        log.info(
-            "the OpenAI, Anthropic and Ollama HTTP routes are not in this version; --http %s is unused", config.http
-        )
+        api_server = ApiServer(daemon, config.http, loaded.name)
+        api_url = await api_server.start()
+        print(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)", flush=True)
+        if not api_server.loopback:
+            log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -109,6 +113,8 @@ async def serve(config: ServeConfig) -> int:
         await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
         if web_server is not None:
             await web_server.stop()
+        if api_server is not None:
+            await api_server.stop()
         await socket_server.stop()
         daemon.stop()
         store.close()

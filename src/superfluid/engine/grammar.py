@@ -79,17 +79,23 @@ def schema_grammar(schema: Any) -> str:
         raise GrammarError(f"the JSON schema cannot be compiled to a grammar: {e}") from None
 
 
-def tool_call_grammar(name: str, parameters: dict[str, Any], open_marker: str, close_marker: str) -> str:
-    """GBNF forcing one call of tool `name`: the markers around `{"name": ..., "arguments": {...}}`."""
-    call = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-        "required": ["name", "arguments"],
-    }
+def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], open_marker: str, close_marker: str) -> str:
+    """GBNF forcing one call of one of `tools` ((name, parameters) pairs): the markers around
+    `{"name": ..., "arguments": {...}}`."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+        }
+        for name, parameters in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     try:
-        body = json_schema_to_gbnf(json.dumps(call), prop_order=["name", "arguments"])
+        body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
     except Exception as e:
-        raise GrammarError(f"the parameters of tool {name} cannot be compiled to a grammar: {e}") from None
+        names = ", ".join(name for name, _ in tools)
+        raise GrammarError(f"the parameters of {names} cannot be compiled to a grammar: {e}") from None
     body = re.sub(r"^root ::=", "call ::=", body, flags=re.MULTILINE)
     # GBNF string literals are written like JSON strings
     return f"root ::= {json.dumps(open_marker + chr(10))} call {json.dumps(chr(10) + close_marker)}\n{body}"

@@ -13,6 +13,7 @@ assistant turn. A session's input is then built append-only from those frames.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..protocol.schema import CHANNEL_TOOL_CALL, ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
 from .channels import TOOL_CALL, Markers
+from .tools import fallback_system_text
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, parse_special) -> token ids
 
@@ -48,6 +50,16 @@ class Frame:
 
     before: str
     after: str
+
+
+def call_wire(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style tool call as the `<tool_call>` wire writes it: name and arguments."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # keep text that is not JSON as it is
+            arguments = json.loads(arguments)
+    return {"name": function.get("name", ""), "arguments": arguments}
 
 
 def _object_end(text: str, start: int) -> int:
@@ -193,6 +205,53 @@ class ChatTemplate:
     def system_with_tools(self, tools: list[dict[str, Any]]) -> Frame:
         """The frame of a first system turn that declares `tools` through the template."""
         return self._frame([], "system", tools=tools)
+
+    def conversation(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A whole chat rendered at once, as the HTTP APIs send it: (its tokens, the assistant opener).
+
+        Message contents are tokenized as plain text and the template's own text with special
+        tokens. A template that knows no tools gets them in the system turn and sees earlier
+        calls written in the `<tool_call>` wire.
+        """
+        messages = [dict(m) for m in messages]
+        extra: dict[str, Any] = {}
+        if tools and self.supports_tools:
+            extra["tools"] = tools
+        elif tools:
+            if messages and messages[0].get("role") == "system":
+                messages[0]["content"] = fallback_system_text(str(messages[0].get("content") or ""), tools)
+            else:
+                messages.insert(0, {"role": "system", "content": fallback_system_text("", tools)})
+        contents: list[str] = []
+        for message in messages:
+            if message.get("tool_calls") and not self.supports_tools:
+                markers = self.call_markers
+                calls = "".join(
+                    f"{markers.open}\n{json.dumps(call_wire(call), ensure_ascii=False)}\n{markers.close}"
+                    for call in message.pop("tool_calls")
+                )
+                message["content"] = f"{message.get('content') or ''}{calls}"
+            content = message.get("content")
+            if isinstance(content, str) and content:
+                message["content"] = _SENTINEL.format(len(contents))
+                contents.append(content)
+            elif content is None:
+                message["content"] = ""
+        closed = self.render(messages, add_generation_prompt=False, **extra)
+        opened = self.render(messages, add_generation_prompt=True, **extra)
+        if not opened.startswith(closed):
+            raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
+        tokens: list[int] = []
+        for index, part in enumerate(_SENTINEL_RE.split(closed)):
+            if index % 2:
+                tokens += self._tokenize(contents[int(part)], False)
+            else:
+                tokens += self._tokenize(part, True)
+        if self._bos_token is not None and tokens[:1] != [self._bos_token]:
+            tokens.insert(0, self._bos_token)
+        return tokens, self._tokenize(opened[len(closed) :], True)
 
     def opener(self) -> list[int]:
         """Tokens that open an assistant turn after an input turn."""

@@ -22,12 +22,10 @@ import hmac
 import json
 import logging
 import os
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -41,13 +39,13 @@ from ..protocol.schema import Response as Reply
 from ..protocol.types import U32, U64, Struct
 from ..ratelimit import TokenBucket, retry_after_header, retry_after_ms
 from .connection import Connection
+from .listener import HttpListener
 
 log = logging.getLogger("superfluid.web")
 
 PROTOCOL = "superfluid.v1"
 TOKEN_PROTOCOL = "superfluid.token."
 BODY_LIMIT = 2 << 20
-WS_MESSAGE_LIMIT = 64 << 20
 WS_INBOUND_QUEUE = 32
 KEEPALIVE_S = 15.0
 LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
@@ -331,54 +329,9 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
                 await task
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn inside the daemon's loop: the daemon handles the signals itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class WebServer:
-    """Runs the /web/* app on a loopback address."""
+class WebServer(HttpListener):
+    """The /web/* app on a loopback address."""
 
     def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str]) -> None:
-        self.host, self.port = parse_web_address(address)
-        config = uvicorn.Config(
-            create_app(daemon, token, origins),
-            host=self.host,
-            port=self.port,
-            ws="websockets-sansio",
-            ws_max_size=WS_MESSAGE_LIMIT,
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-        )
-        self._server = _EmbeddedServer(config)
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> str:
-        """Listen; returns the URL it listens on."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind(("127.0.0.1" if self.host == "localhost" else self.host, self.port))
-        except OSError as e:
-            listener.close()
-            raise RuntimeError(
-                f"the browser transport cannot listen on {self.host}:{self.port}: {e.strerror or e}"
-            ) from None
-        listener.setblocking(False)
-        self._task = asyncio.create_task(self._server.serve(sockets=[listener]))
-        while not self._server.started:
-            await asyncio.sleep(0.01)
-        bound = listener.getsockname()
-        host = f"[{bound[0]}]" if family == socket.AF_INET6 else bound[0]
-        return f"http://{host}:{bound[1]}"
-
-    async def stop(self) -> None:
-        self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, timeout=5)
+        host, port = parse_web_address(address)
+        super().__init__(create_app(daemon, token, origins), host, port, "the browser transport")

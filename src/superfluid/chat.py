@@ -1,0 +1,231 @@
+"""Stateless chat for the HTTP APIs: one request, one fresh session, one generation.
+
+The OpenAI, Anthropic and Ollama routes translate their bodies into a `ChatRequest`. The
+conversation is rendered through the chat template as a whole, committed as a new session
+(`Created`, the conversation as one `Appended`, the assistant opener as
+`GenerationPrompt`) and generated like any session, so it is logged, and its prefix is
+cached for the next request of the same conversation. `ChatRun` turns the generation's
+outcomes into pieces of reply: text, reasoning and tool calls, with stop strings applied.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .daemon import Daemon, DaemonError
+from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
+from .generation import Committed, Done, Failed, Provisional
+from .model.template import TemplateProblem
+from .protocol.schema import (
+    CHANNEL_REASONING,
+    FINISH_CANCELLED,
+    FINISH_GRAMMAR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    QOS_AGENT,
+    EventBody,
+    GenParams,
+    Request,
+)
+
+B = EventBody
+
+
+class ChatError(ValueError):
+    """A chat request the daemon cannot serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class ChatRequest:
+    """A chat completion, whatever API it came through."""
+
+    messages: list[dict[str, Any]]
+    params: GenParams
+    max_tokens: int | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = "auto"  # "auto", "none", "required" or {"function": {"name": ...}}
+    stop: list[str] = field(default_factory=list)
+    json_schema: Any = None  # a schema, or True for any JSON object
+    qos: int = QOS_AGENT
+    prompt: str | None = None  # a raw prompt, rendered with no template at all
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a reply: `kind` is "text", "reasoning" or "tool_call"."""
+
+    kind: str
+    text: str = ""
+    name: str = ""
+    arguments: str = ""
+    call_id: str = ""
+
+
+@dataclass
+class Outcome:
+    """How a chat generation ended."""
+
+    finish: str  # "stop", "length", "tool_calls" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    stopped_by: str | None = None  # the stop string that ended it
+    error: str | None = None
+
+
+def seed_for(seed: int | None) -> int:
+    """A request's seed; none (or 0) draws a fresh one."""
+    return seed if seed else secrets.randbits(63)
+
+
+class ChatRun:
+    """One chat generation: iterate `pieces()`, then read `outcome`."""
+
+    def __init__(self, daemon: Daemon, request: ChatRequest) -> None:
+        self.daemon = daemon
+        self.request = request
+        self.outcome: Outcome | None = None
+        template = daemon.template
+        try:
+            if request.prompt is not None:
+                prompt, opener = daemon.model.tokenize(request.prompt, False), []
+            else:
+                tools = request.tools if request.tool_choice != "none" else []
+                prompt, opener = template.conversation(request.messages, tools)
+        except TemplateProblem as e:
+            raise ChatError(str(e)) from None
+        self._generation: Any = None
+        self.prompt_tokens = len(prompt) + len(opener)
+        if self.prompt_tokens >= daemon.window:
+            raise ChatError(
+                f"this model's maximum context length is {daemon.window} tokens, but your request has "
+                f"{self.prompt_tokens} tokens; shorten the prompt or drop earlier turns",
+                code="context_length_exceeded",
+            )
+        room = daemon.window - self.prompt_tokens
+        self.max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+        self.grammar = self._grammar()
+        self.session = daemon.open_chat(request.params, prompt, opener, request.qos)
+
+    def _grammar(self) -> str | None:
+        request, markers = self.request, self.daemon.template.call_markers
+        try:
+            choice = request.tool_choice
+            if request.tools and (choice == "required" or isinstance(choice, dict)):
+                wanted = choice.get("function", choice).get("name") if isinstance(choice, dict) else None
+                tools = [
+                    (t["function"]["name"], t["function"]["parameters"])
+                    for t in request.tools
+                    if wanted in (None, t["function"]["name"])
+                ]
+                if not tools:
+                    raise ChatError(f"tool_choice names {wanted!r}, which is not among the tools")
+                return tool_call_grammar(tools, markers.open, markers.close)
+            if request.json_schema is not None:
+                schema = {"type": "object"} if request.json_schema is True else request.json_schema
+                return schema_grammar(schema)
+        except GrammarError as e:
+            raise ChatError(f"constraint unsatisfiable: {e}") from None
+        return None
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        try:
+            generation = self._generation = self.daemon.generate(
+                Request.Generate(self.session, self.max_tokens), provisional=True, grammar=self.grammar
+            )
+        except DaemonError as e:
+            self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=str(e))
+            return
+        stops = StopScanner(self.request.stop)
+        calls = 0
+        ended = False
+        try:
+            async for outcome in generation:
+                if isinstance(outcome, Provisional):
+                    if outcome.channel == CHANNEL_REASONING:
+                        yield Piece("reasoning", outcome.text)
+                        continue
+                    text, hit = stops.feed(outcome.text)
+                    if text:
+                        yield Piece("text", text)
+                    if hit is not None:
+                        generation.cancel()
+                elif isinstance(outcome, Committed) and isinstance(outcome.event.body, B.ToolUse):
+                    calls += 1
+                    body = outcome.event.body
+                    yield Piece(
+                        "tool_call", name=body.name, arguments=body.arguments, call_id=f"call_{outcome.event.event_id}"
+                    )
+                elif isinstance(outcome, Done):
+                    ended = True
+                    tail = stops.flush()
+                    if tail and stops.hit is None:
+                        yield Piece("text", tail)
+                    self.outcome = Outcome(
+                        _finish(outcome.finish, calls, stops.hit),
+                        self.prompt_tokens,
+                        outcome.tokens_generated,
+                        outcome.warm_prefix,
+                        stopped_by=stops.hit,
+                    )
+                elif isinstance(outcome, Failed):
+                    ended = True
+                    self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=outcome.message)
+        finally:
+            if not ended:
+                generation.cancel()
+
+    def cancel(self) -> None:
+        """Stop the generation (the client went away); harmless once it has ended."""
+        if self._generation is not None:
+            self._generation.cancel()
+
+
+def _finish(code: int, calls: int, stopped_by: str | None) -> str:
+    if stopped_by is not None:
+        return "stop"
+    if calls and code in (FINISH_STOP, FINISH_GRAMMAR):
+        return "tool_calls"
+    if code == FINISH_LENGTH:
+        return "length"
+    if code in (FINISH_STOP, FINISH_GRAMMAR, FINISH_CANCELLED):
+        return "stop"
+    return "error"
+
+
+class StopScanner:
+    """Cuts text at the first stop string, holding back a tail that may be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit: str | None = None
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Text safe to show now, and the stop string if one completed."""
+        if self.hit is not None:
+            return "", self.hit
+        if not self.stops:
+            return text, None
+        self.held += text
+        found = [(self.held.find(s), s) for s in self.stops if s in self.held]
+        if found:
+            at, stop = min(found)
+            out, self.held, self.hit = self.held[:at], "", stop
+            return out, stop
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep :]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out

@@ -1,0 +1,89 @@
+"""The main HTTP listener (`--http`): OpenAI, Anthropic and Ollama routes on one port.
+
+Also `GET /health` and `GET /metrics`. Requests from a web page of another site are
+refused (an `Origin` that is not this machine gets 403), and a loopback listener answers
+only loopback `Host` names, so a page cannot reach it through DNS rebinding.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from ..daemon import Daemon
+from . import anthropic, ollama, openai
+from .listener import HttpListener, split_address
+
+BODY_LIMIT = 100 << 20
+
+
+def _loopback_name(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(value: str) -> str:
+    """The host part of a Host header or an Origin URL."""
+    value = value.split("://", 1)[-1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[: value.index("]") + 1]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def create_app(daemon: Daemon, model_name: str, loopback: bool) -> FastAPI:
+    app = FastAPI(title="superfluid", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        origin = request.headers.get("origin")
+        if origin and not _loopback_name(_host_of(origin)):
+            return openai.error(f"origin {origin} is not this machine", 403, "origin_refused")
+        host = request.headers.get("host", "")
+        if loopback and host and not _loopback_name(_host_of(host)):
+            return openai.error(f"host {host} is not a loopback name", 403, "host_refused")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > BODY_LIMIT:
+            return openai.error(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in exc.errors()
+        )
+        if request.url.path.startswith("/api/"):
+            return ollama.error(problems)
+        return openai.error(problems)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "models_loaded": 1, "models_known": 1}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(daemon.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    app.include_router(openai.router(daemon, model_name))
+    app.include_router(anthropic.router(daemon, model_name))
+    app.include_router(ollama.router(daemon, model_name))
+    return app
+
+
+class ApiServer(HttpListener):
+    """The OpenAI, Anthropic and Ollama routes on `--http`."""
+
+    def __init__(self, daemon: Daemon, address: str, model_name: str) -> None:
+        host, port = split_address(address)
+        loopback = _loopback_name(host)
+        super().__init__(create_app(daemon, model_name, loopback), host, port, "the HTTP API")
+        self.loopback = loopback

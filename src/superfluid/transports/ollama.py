@@ -1,0 +1,240 @@
+"""Ollama-compatible routes: /api/chat, /api/generate, /api/tags, /api/show, /api/version, /.
+
+Streaming is on unless `"stream": false`, as in Ollama: one JSON object per line, the
+last with `"done": true`, `done_reason`, and the token counts
+(`prompt_eval_cached_count` is how much of the prompt came from the cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from .. import __version__
+from ..chat import ChatError, ChatRequest, ChatRun, Piece
+from ..daemon import Daemon
+from ..model.tools import ToolDeclarationError, normalize_tools
+from .openai import Body, sampling
+
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx"}
+
+
+class ChatBody(Body):
+    model: str | None = None
+    messages: list[dict[str, Any]] = []
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(Body):
+    model: str | None = None
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+
+
+def error(message: str, status: int = 400) -> Response:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _now() -> str:
+    return datetime.now(tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def _request(
+    daemon: Daemon, messages: list[dict[str, Any]], options: dict[str, Any] | None, fmt: Any, **kw: Any
+) -> ChatRequest:
+    options = dict(options or {})
+    unknown = sorted(set(options) - OPTIONS)
+    if unknown:
+        raise ChatError(f"unsupported option: {unknown[0]}")
+    if options.get("num_ctx") not in (None, daemon.window):
+        raise ChatError(f"num_ctx must be the server's window, {daemon.window}; start superfluid with --max-context")
+    seed = options.get("seed")
+    predict = options.get("num_predict")
+    stop = options.get("stop") or []
+    return ChatRequest(
+        messages=messages,
+        params=sampling(
+            options.get("temperature"),
+            options.get("top_p"),
+            options.get("top_k"),
+            options.get("min_p"),
+            seed if seed and seed > 0 else None,
+        ),
+        max_tokens=predict if predict and predict > 0 else None,
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        json_schema=True if fmt == "json" else (fmt or None),
+        **kw,
+    )
+
+
+def router(daemon: Daemon, model_name: str) -> APIRouter:
+    api = APIRouter()
+    tag = model_name if ":" in model_name.split("/")[-1] else f"{model_name}:latest"
+    digest = hashlib.sha256(model_name.encode()).hexdigest()
+
+    @api.get("/")
+    async def root() -> Response:
+        return PlainTextResponse("superfluid is running")
+
+    @api.get("/api/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__, "server": "superfluid", "compatibility": "ollama-inference"}
+
+    @api.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        entry = {
+            "name": tag,
+            "model": tag,
+            "modified_at": _now(),
+            "size": daemon.model.size,
+            "digest": digest,
+            "details": {},
+        }
+        return {"models": [entry]}
+
+    @api.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        entry = {
+            "name": tag,
+            "model": tag,
+            "size": daemon.model.size,
+            "digest": digest,
+            "context_length": daemon.window,
+        }
+        return {"models": [entry]}
+
+    @api.post("/api/show")
+    async def show() -> dict[str, Any]:
+        return {
+            "template": daemon.template.source,
+            "details": {"format": "gguf"},
+            "model_info": {"general.name": daemon.model.name, "context_length": daemon.window},
+            "capabilities": ["completion", "tools"],
+        }
+
+    @api.post("/api/chat")
+    async def chat(body: ChatBody) -> Response:
+        try:
+            messages = []
+            for m in body.messages:
+                if m.get("images"):
+                    raise ChatError("this model takes text only, not images")
+                converted = {"role": m.get("role"), "content": m.get("content") or ""}
+                if m.get("tool_calls"):
+                    converted["tool_calls"] = m["tool_calls"]
+                messages.append(converted)
+            run = ChatRun(
+                daemon, _request(daemon, messages, body.options, body.format, tools=normalize_tools(body.tools or []))
+            )
+        except (ChatError, ToolDeclarationError) as e:
+            return error(str(e))
+        name = body.model or tag
+        return await _respond(run, name, body.stream, chat=True)
+
+    @api.post("/api/generate")
+    async def generate(body: GenerateBody) -> Response:
+        if not body.prompt:
+            return JSONResponse(
+                {"model": body.model or tag, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+            )
+        try:
+            if body.raw:
+                request = _request(daemon, [], body.options, body.format, prompt=body.prompt)
+            else:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                    {"role": "user", "content": body.prompt}
+                ]
+                request = _request(daemon, messages, body.options, body.format)
+            run = ChatRun(daemon, request)
+        except ChatError as e:
+            return error(str(e))
+        return await _respond(run, body.model or tag, body.stream, chat=False)
+
+    return api
+
+
+def _part(piece: Piece, name: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        if piece.kind == "tool_call":
+            call = {"function": {"name": piece.name, "arguments": json.loads(piece.arguments)}}
+            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        elif piece.kind == "reasoning":
+            message = {"role": "assistant", "content": "", "thinking": piece.text}
+        else:
+            message = {"role": "assistant", "content": piece.text}
+        return {"model": name, "created_at": _now(), "message": message, "done": False}
+    return {"model": name, "created_at": _now(), "response": piece.text if piece.kind == "text" else "", "done": False}
+
+
+def _final(run: ChatRun, name: str, chat: bool, started: float) -> dict[str, Any]:
+    outcome = run.outcome
+    assert outcome is not None
+    final: dict[str, Any] = {
+        "model": name,
+        "created_at": _now(),
+        "done": True,
+        "done_reason": "length" if outcome.finish == "length" else "stop",
+        "total_duration": int((time.monotonic() - started) * 1e9),
+        "prompt_eval_count": outcome.prompt_tokens,
+        "prompt_eval_cached_count": outcome.cached_tokens,
+        "eval_count": outcome.completion_tokens,
+    }
+    if chat:
+        final["message"] = {"role": "assistant", "content": ""}
+    else:
+        final["response"] = ""
+    return final
+
+
+async def _respond(run: ChatRun, name: str, stream: bool, chat: bool) -> Response:
+    started = time.monotonic()
+    if stream:
+        return StreamingResponse(_lines(run, name, chat, started), media_type="application/x-ndjson")
+    text, thinking, calls = [], [], []
+    async for piece in run.pieces():
+        if piece.kind == "text":
+            text.append(piece.text)
+        elif piece.kind == "reasoning":
+            thinking.append(piece.text)
+        else:
+            calls.append({"function": {"name": piece.name, "arguments": json.loads(piece.arguments)}})
+    outcome = run.outcome
+    if outcome is None or outcome.error:
+        return error(outcome.error if outcome else "generation failed", 500)
+    final = _final(run, name, chat, started)
+    if chat:
+        final["message"] = {"role": "assistant", "content": "".join(text)}
+        if thinking:
+            final["message"]["thinking"] = "".join(thinking)
+        if calls:
+            final["message"]["tool_calls"] = calls
+    else:
+        final["response"] = "".join(text)
+    return JSONResponse(final)
+
+
+async def _lines(run: ChatRun, name: str, chat: bool, started: float) -> AsyncIterator[str]:
+    try:
+        async for piece in run.pieces():
+            yield json.dumps(_part(piece, name, chat), ensure_ascii=False) + "\n"
+    finally:
+        run.cancel()
+    outcome = run.outcome
+    if outcome is None or outcome.error:
+        yield json.dumps({"error": outcome.error if outcome else "generation failed"}) + "\n"
+        return
+    yield json.dumps(_final(run, name, chat, started), ensure_ascii=False) + "\n"

@@ -1,0 +1,317 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions and /v1/models.
+
+Each request runs as a fresh session (see `chat.py`), so a conversation that is sent
+again with one more turn starts from its cached prefix. Streaming answers are
+server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`; the
+last chunk carries `usage`, with the prompt tokens served from the cache as
+`prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..chat import ChatError, ChatRequest, ChatRun, Outcome, seed_for
+from ..daemon import Daemon
+from ..model.tools import ToolDeclarationError, normalize_tools
+from ..protocol.schema import GenParams
+
+_ids = itertools.count(1)
+
+
+class Body(BaseModel):
+    """Unknown fields are ignored, as OpenAI's servers do."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatCompletionRequest(Body):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    n: int = 1
+
+
+class CompletionRequest(Body):
+    model: str | None = None
+    prompt: str
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+def error(message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None) -> Response:
+    return JSONResponse({"error": {"message": message, "type": code, "param": param, "code": code}}, status_code=status)
+
+
+def sampling(
+    temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None
+) -> GenParams:
+    """The request's sampling, with the usual defaults: temperature 1, and top-k 40 when nothing else cuts."""
+    t = 1.0 if temperature is None else temperature
+    p = 1.0 if top_p is None else top_p
+    m = 0.0 if min_p is None else min_p
+    k = top_k if top_k is not None else (40 if t > 0 and p >= 1.0 and m <= 0.0 else 0)
+    return GenParams(t, p, m, max(k, 0), seed_for(seed))
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text"):
+            parts.append(part.get("text", ""))
+        elif kind in ("image_url", "input_image", "input_audio", "image"):
+            raise ChatError(f"this model takes text only, not {kind} parts", code="unsupported_input")
+    return "".join(parts)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template wants them."""
+    out = []
+    for message in messages:
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ChatError(f"message role {role!r} is not one of system, developer, user, assistant, tool")
+        converted: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": text_of(message.get("content")),
+        }
+        if message.get("tool_calls"):
+            converted["tool_calls"] = message["tool_calls"]
+        for key in ("tool_call_id", "name"):
+            if message.get(key):
+                converted[key] = message[key]
+        out.append(converted)
+    return out
+
+
+def usage(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def router(daemon: Daemon, model_name: str) -> APIRouter:
+    api = APIRouter()
+
+    def model_entry() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "superfluid",
+            "meta": {"n_ctx": daemon.window},
+        }
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_entry()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        return JSONResponse(model_entry())
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        if body.n != 1:
+            return error("n must be 1: superfluid answers with one choice", param="n")
+        try:
+            tools = normalize_tools(body.tools or [])
+            choice = body.tool_choice or "auto"
+            schema = None
+            if body.response_format and body.response_format.get("type") == "json_object":
+                schema = True
+            elif body.response_format and body.response_format.get("type") == "json_schema":
+                schema = (body.response_format.get("json_schema") or {}).get("schema")
+                if schema is None:
+                    return error("response_format json_schema needs a schema", param="response_format")
+            request = ChatRequest(
+                messages=chat_messages(body.messages),
+                params=sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed),
+                max_tokens=body.max_completion_tokens or body.max_tokens,
+                tools=tools,
+                tool_choice=choice,
+                stop=_stops(body.stop),
+                json_schema=schema,
+            )
+            run = ChatRun(daemon, request)
+        except ToolDeclarationError as e:
+            return error(str(e), param="tools")
+        except ChatError as e:
+            return error(str(e), e.status, e.code)
+        reply_id = f"chatcmpl-superfluid-{next(_ids)}"
+        name = body.model or model_name
+        if body.stream:
+            return StreamingResponse(_chat_stream(run, reply_id, name), media_type="text/event-stream")
+        return await _chat_reply(run, reply_id, name)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        if body.suffix:
+            return error("fill-in-the-middle with suffix is served by the session API's Complete", param="suffix")
+        try:
+            request = ChatRequest(
+                messages=[],
+                prompt=body.prompt,
+                params=sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed),
+                max_tokens=body.max_tokens,
+                stop=_stops(body.stop),
+            )
+            run = ChatRun(daemon, request)
+        except ChatError as e:
+            return error(str(e), e.status, e.code)
+        reply_id = f"cmpl-superfluid-{next(_ids)}"
+        name = body.model or model_name
+        if body.stream:
+            return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
+        text = "".join([piece.text async for piece in run.pieces() if piece.kind == "text"])
+        outcome = run.outcome
+        if outcome is None or outcome.error:
+            return error(outcome.error if outcome else "generation failed", 500, "server_error")
+        return JSONResponse(
+            {
+                "id": reply_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": name,
+                "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish, "logprobs": None}],
+                "usage": usage(outcome),
+            }
+        )
+
+    return api
+
+
+async def _chat_reply(run: ChatRun, reply_id: str, name: str) -> Response:
+    text, reasoning, calls = [], [], []
+    async for piece in run.pieces():
+        if piece.kind == "text":
+            text.append(piece.text)
+        elif piece.kind == "reasoning":
+            reasoning.append(piece.text)
+        else:
+            calls.append(
+                {
+                    "id": piece.call_id,
+                    "type": "function",
+                    "function": {"name": piece.name, "arguments": piece.arguments},
+                }
+            )
+    outcome = run.outcome
+    if outcome is None or outcome.error:
+        return error(outcome.error if outcome else "generation failed", 500, "server_error")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return JSONResponse(
+        {
+            "id": reply_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish, "logprobs": None}],
+            "usage": usage(outcome),
+        },
+        headers={"x-superfluid-warm": str(outcome.cached_tokens)},
+    )
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _chat_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return _sse(
+            {
+                "id": reply_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "choices": [choice],
+                **extra,
+            }
+        )
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls = 0
+    try:
+        async for piece in run.pieces():
+            if piece.kind == "text":
+                yield chunk({"content": piece.text})
+            elif piece.kind == "reasoning":
+                yield chunk({"reasoning_content": piece.text})
+            else:
+                call = {"index": calls, "id": piece.call_id, "type": "function"}
+                call["function"] = {"name": piece.name, "arguments": piece.arguments}
+                yield chunk({"tool_calls": [call]})
+                calls += 1
+    finally:
+        run.cancel()  # the client hung up mid-stream, or the generation is over
+    outcome = run.outcome
+    if outcome is None or outcome.error:
+        yield _sse({"error": {"message": outcome.error if outcome else "generation failed", "type": "server_error"}})
+    else:
+        yield chunk({}, outcome.finish, usage=usage(outcome))
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    base = {"id": reply_id, "object": "text_completion", "created": created, "model": name}
+    try:
+        async for piece in run.pieces():
+            if piece.kind == "text":
+                yield _sse(
+                    {**base, "choices": [{"index": 0, "text": piece.text, "finish_reason": None, "logprobs": None}]}
+                )
+    finally:
+        run.cancel()
+    outcome = run.outcome
+    if outcome is None or outcome.error:
+        yield _sse({"error": {"message": outcome.error if outcome else "generation failed", "type": "server_error"}})
+    else:
+        choice = {"index": 0, "text": "", "finish_reason": outcome.finish, "logprobs": None}
+        yield _sse({**base, "choices": [choice], "usage": usage(outcome)})
+    yield "data: [DONE]\n\n"

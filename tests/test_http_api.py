@@ -1,0 +1,195 @@
+"""The OpenAI, Anthropic and Ollama routes, driven by those vendors' own Python clients."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from conftest import DaemonProcess, free_port
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+class ApiDaemon(DaemonProcess):
+    """A daemon with the HTTP API on a free loopback port."""
+
+    def __init__(self, root, **sizes: int) -> None:
+        self.port = free_port()
+        super().__init__(root, **sizes)
+        self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{self.port}"]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiDaemon]:
+    proc = ApiDaemon(tmp_path_factory.mktemp("api"), max_context=2048, max_batch=4).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def oa(api: ApiDaemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused")
+
+
+def test_openai_chat_and_a_warm_second_turn(oa: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}]
+    first = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    choice = first.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert first.usage.completion_tokens == 24 and first.usage.prompt_tokens > 0
+    again = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    assert again.choices[0].message.content == choice.message.content, "greedy is reproducible"
+    messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "And one more?"}]
+    second = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1, "the history is cached"
+
+
+def test_openai_streaming(oa: openai.OpenAI) -> None:
+    stream = oa.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16, temperature=0
+    )
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
+
+
+def test_openai_tool_calls_and_json(oa: openai.OpenAI) -> None:
+    forced = oa.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Is it raining in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
+    )
+    message = forced.choices[0].message
+    assert forced.choices[0].finish_reason == "tool_calls" and not message.content
+    call = message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    answered = oa.chat.completions.create(
+        model="smollm2",
+        messages=[
+            {"role": "user", "content": "Is it raining in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Light rain, 14 C"},
+        ],
+        tools=[WEATHER],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert answered.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}}}
+    schema["required"] = ["name", "legs"]
+    as_json = oa.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Describe a cat."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}},
+        max_tokens=200,
+        temperature=0,
+    )
+    assert as_json.choices[0].finish_reason == "stop"
+    cat = json.loads(as_json.choices[0].message.content)
+    assert isinstance(cat["name"], str) and isinstance(cat["legs"], int)
+
+
+def test_openai_completions_stops_and_errors(oa: openai.OpenAI) -> None:
+    completion = oa.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 8
+    stopped = oa.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Count from 1 to 10."}], stop=["5"], temperature=0
+    )
+    assert "5" not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    assert [m.id for m in oa.models.list().data] == ["SmolLM2-135M-Instruct"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 2048 tokens"):
+        oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 3000}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        oa.chat.completions.create(model="smollm2", messages="not a list")  # type: ignore[arg-type]
+
+
+def test_anthropic_messages(api: ApiDaemon) -> None:
+    client = anthropic.Anthropic(base_url=api.url, api_key="unused")
+    reply = client.messages.create(
+        model="smollm2",
+        max_tokens=16,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Name a river."}],
+        extra_body={"temperature": 0},
+    )
+    assert reply.content[0].type == "text" and reply.content[0].text and reply.stop_reason == "max_tokens"
+    assert reply.usage.output_tokens == 16
+    with client.messages.stream(
+        model="smollm2",
+        max_tokens=16,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Name a river."}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == reply.content[0].text and final.stop_reason == "max_tokens"
+    tool_turn = client.messages.create(
+        model="smollm2",
+        max_tokens=12,
+        tools=[{"name": "get_weather", "description": "weather", "input_schema": WEATHER["function"]["parameters"]}],
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Snow, -3 C"}]},
+        ],
+        extra_body={"temperature": 0},
+    )
+    assert tool_turn.stop_reason in ("max_tokens", "end_turn", "tool_use")
+
+
+def test_ollama_chat_generate_and_tags(api: ApiDaemon) -> None:
+    client = ollama.Client(host=api.url)
+    options = {"temperature": 0, "num_predict": 12}
+    reply = client.chat(model="smollm2", messages=[{"role": "user", "content": "Name a river."}], options=options)
+    assert reply.message.content and reply.done and reply.done_reason == "length" and reply.eval_count == 12
+    streamed = "".join(
+        part.message.content
+        for part in client.chat(
+            model="smollm2", messages=[{"role": "user", "content": "Name a river."}], options=options, stream=True
+        )
+    )
+    assert streamed == reply.message.content
+    generated = client.generate(model="smollm2", prompt="Name a river.", options=options)
+    assert generated.response and generated.done
+    assert [m.model for m in client.list().models] == ["SmolLM2-135M-Instruct:latest"]
+    with pytest.raises(ollama.ResponseError, match="unsupported option: mirostat"):
+        client.chat(model="smollm2", messages=[{"role": "user", "content": "x"}], options={"mirostat": 1})
+
+
+def test_health_metrics_and_origin_checks(api: ApiDaemon) -> None:
+    assert httpx.get(f"{api.url}/health").json()["status"] == "ok"
+    assert "superfluid_requests_total" in httpx.get(f"{api.url}/metrics").text
+    refused = httpx.get(f"{api.url}/v1/models", headers={"Origin": "http://evil.example"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_refused"
+    rebinding = httpx.get(f"{api.url}/v1/models", headers={"Host": "evil.example"})
+    assert rebinding.status_code == 403
+    assert httpx.get(f"{api.url}/v1/models", headers={"Origin": "http://localhost:5173"}).status_code == 200
+    assert httpx.get(f"{api.url}/").text == "superfluid is running"
