@@ -20,7 +20,7 @@ from typing import Any
 
 from .bus import END_PURGED, Bus, Subscription
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
-from .generation import Committed, Done, Failed, GenerationRun, Generations, Outcome, Provisional
+from .generation import Done, Failed, GenerationRun, Generations, Outcome
 from .logsetup import set_log_directive
 from .metrics import Metrics
 from .model.blocks import BlockError, project_block
@@ -94,15 +94,8 @@ class QueueListener:
 class Generation:
     """A Generate as its caller sees it: outcomes to read in order, and a way to stop it."""
 
-    def __init__(
-        self,
-        listener: QueueListener | None,
-        run: GenerationRun | None,
-        stop: Callable[[], None],
-        immediate: Done | None = None,
-    ) -> None:
+    def __init__(self, listener: QueueListener | None, stop: Callable[[], None], immediate: Done | None = None) -> None:
         self._listener = listener
-        self.run = run
         self._stop = stop
         self._immediate = immediate
 
@@ -532,7 +525,7 @@ class Daemon:
                     f"{total} tokens; shorten the prompt or drop earlier turns"
                 )
             if req.max_tokens == 0:
-                return Generation(None, None, lambda: None, Done([], 0, 0, 0))
+                return Generation(None, lambda: None, Done([], 0, 0, 0))
             self._idle(s)
             writes: list[tuple[int, EventBody]] = []
             if s.fingerprint != self.fingerprint:
@@ -563,7 +556,7 @@ class Daemon:
             self.generations.add(run)
             self.metrics.generations.inc()
         self.scheduler.submit(job)
-        return Generation(listener, run, lambda: self.scheduler.cancel(job))
+        return Generation(listener, lambda: self.scheduler.cancel(job))
 
     def _opener(self, last_input: EventBody | None) -> list[int]:
         """The assistant opener a generation needs, or none when it continues an open turn."""
@@ -950,6 +943,3 @@ def _fingerprint(model: Any, template: ChatTemplate) -> int:
     digest.update(str(getattr(model, "size", 0)).encode())
     digest.update(template.source.encode())
     return int.from_bytes(digest.digest(), "little")
-
-
-__all__ = ["Committed", "Daemon", "DaemonError", "Done", "Failed", "Generation", "Provisional"]
