@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -235,6 +236,9 @@ class Daemon:
             return handler(request)
         except DaemonError as e:
             return Response.Err(str(e))
+        except (sqlite3.Error, OSError) as e:  # the disk refused: nothing was committed
+            log.exception("%s failed to reach the disk", name)
+            return Response.Err(f"io: {e}")
         finally:
             self.metrics.requests.labels(verb=name).inc()
             self.metrics.request_seconds.observe(time.perf_counter() - started)
