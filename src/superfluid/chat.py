@@ -81,6 +81,15 @@ class Outcome:
     error: str | None = None
 
 
+@dataclass
+class Collected:
+    """A whole reply: its text, its reasoning and the tool calls it made."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[Piece] = field(default_factory=list)
+
+
 def seed_for(seed: int | None) -> int:
     """A request's seed; none (or 0) draws a fresh one."""
     return seed if seed else secrets.randbits(63)
@@ -182,6 +191,18 @@ class ChatRun:
         finally:
             if not ended:
                 generation.cancel()
+
+    async def collect(self) -> Collected:
+        """The whole reply, for a request that does not stream."""
+        reply = Collected()
+        async for piece in self.pieces():
+            if piece.kind == "text":
+                reply.text += piece.text
+            elif piece.kind == "reasoning":
+                reply.reasoning += piece.text
+            else:
+                reply.calls.append(piece)
+        return reply
 
     def cancel(self) -> None:
         """Stop the generation (the client went away); harmless once it has ended."""

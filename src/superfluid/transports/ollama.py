@@ -204,26 +204,21 @@ async def _respond(run: ChatRun, name: str, stream: bool, chat: bool) -> Respons
     started = time.monotonic()
     if stream:
         return StreamingResponse(_lines(run, name, chat, started), media_type="application/x-ndjson")
-    text, thinking, calls = [], [], []
-    async for piece in run.pieces():
-        if piece.kind == "text":
-            text.append(piece.text)
-        elif piece.kind == "reasoning":
-            thinking.append(piece.text)
-        else:
-            calls.append({"function": {"name": piece.name, "arguments": json.loads(piece.arguments)}})
+    reply = await run.collect()
     outcome = run.outcome
     if outcome is None or outcome.error:
         return error(outcome.error if outcome else "generation failed", 500)
     final = _final(run, name, chat, started)
     if chat:
-        final["message"] = {"role": "assistant", "content": "".join(text)}
-        if thinking:
-            final["message"]["thinking"] = "".join(thinking)
-        if calls:
-            final["message"]["tool_calls"] = calls
+        final["message"] = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            final["message"]["thinking"] = reply.reasoning
+        if reply.calls:
+            final["message"]["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in reply.calls
+            ]
     else:
-        final["response"] = "".join(text)
+        final["response"] = reply.text
     return JSONResponse(final)
 
 

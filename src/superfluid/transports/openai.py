@@ -200,7 +200,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         name = body.model or model_name
         if body.stream:
             return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
-        text = "".join([piece.text async for piece in run.pieces() if piece.kind == "text"])
+        text = (await run.collect()).text
         outcome = run.outcome
         if outcome is None or outcome.error:
             return error(outcome.error if outcome else "generation failed", 500, "server_error")
@@ -219,26 +219,17 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
 
 
 async def _chat_reply(run: ChatRun, reply_id: str, name: str) -> Response:
-    text, reasoning, calls = [], [], []
-    async for piece in run.pieces():
-        if piece.kind == "text":
-            text.append(piece.text)
-        elif piece.kind == "reasoning":
-            reasoning.append(piece.text)
-        else:
-            calls.append(
-                {
-                    "id": piece.call_id,
-                    "type": "function",
-                    "function": {"name": piece.name, "arguments": piece.arguments},
-                }
-            )
+    reply = await run.collect()
     outcome = run.outcome
     if outcome is None or outcome.error:
         return error(outcome.error if outcome else "generation failed", 500, "server_error")
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
+    calls = [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in reply.calls
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text or (None if calls else "")}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
     if calls:
         message["tool_calls"] = calls
     return JSONResponse(
