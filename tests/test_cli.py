@@ -126,3 +126,11 @@ def test_commands_without_a_daemon(tmp_path: Path) -> None:
     result = run("session", "ls", "--socket", str(tmp_path / "none.sock"))
     assert result.returncode == 1
     assert "cannot connect to the superfluid socket" in result.stderr and "superfluid serve" in result.stderr
+
+
+def test_a_socket_path_too_long_is_a_clear_error(tmp_path: Path) -> None:
+    long_socket = tmp_path / ("s" * 120)
+    result = run(
+        "serve", "--sessions", str(tmp_path / "s"), "--socket", str(long_socket), "--no-http", "--max-context", "512"
+    )
+    assert result.returncode == 1 and "a unix socket allows; pass a shorter --socket" in result.stderr

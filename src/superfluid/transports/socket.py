@@ -22,6 +22,7 @@ from ..protocol.schema import Request, Response
 from .connection import Connection
 
 log = logging.getLogger("superfluid.socket")
+UNIX_PATH_MAX = 108  # sun_path on Linux, terminator included
 
 
 class SocketServer:
@@ -34,6 +35,11 @@ class SocketServer:
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
+        if len(os.fsencode(self.path)) >= UNIX_PATH_MAX:
+            raise RuntimeError(
+                f"the socket path {self.path} is {len(os.fsencode(self.path))} bytes, over the "
+                f"{UNIX_PATH_MAX - 1} a unix socket allows; pass a shorter --socket"
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
