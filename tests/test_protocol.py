@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from superfluid.protocol import jsoncodec, postcard
+from superfluid.protocol.doc import render
 from superfluid.protocol.schema import (
     EventBody,
     EventMsg,
@@ -247,3 +249,9 @@ def test_deep_nesting_is_a_clean_refusal() -> None:
     nested = bytes.fromhex("0f 00 01 00") * 20_000
     with pytest.raises(postcard.DecodeError):
         postcard.decode(nested, EventBody)
+
+
+def test_the_protocol_reference_is_written_from_the_schema() -> None:
+    page = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+    assert page.read_text() == render(), "run: python -m superfluid.protocol.doc > docs/protocol.md"
+    assert "| 34 | `AppendSystem` | session `u64`, text `Option<String>`, tools `Vec<String>` |" in page.read_text()

@@ -56,10 +56,14 @@ class RebaseEdit(Enum):
     """One edit of a Rebase: half-open ranges of event ids."""
 
     class Drop(Struct):
+        """Leave out events [from, to)."""
+
         from_: U64
         to: U64
 
     class Replace(Struct):
+        """Put one new message where events [from, to) were."""
+
         from_: U64
         to: U64
         role: U32
@@ -70,88 +74,122 @@ class PurgeMode(Enum):
     """What happens to a purged session's descendants."""
 
     class Cascade(Struct):
-        pass
+        """Purge every descendant too."""
 
     class Reroot(Struct):
-        pass
+        """Keep the children, each taking its inherited history as its own."""
 
 
 class EventBody(Enum):
     """One record of the session log."""
 
     class Created(Struct):
+        """A new session (event 0): its sampling, and the session it was created under, if any."""
+
         parent: U64 | None
         params: GenParams
 
     class Appended(Struct):
+        """Raw tokens put on the input, with the text they came from if any."""
+
         text: str | None
         span: list[U32]
 
     class Message(Struct):
+        """A message of a role, rendered through the chat template into `span`."""
+
         role: U32
         text: str
         span: list[U32]
 
     class GenerationPrompt(Struct):
+        """The assistant opener a generation started its turn with."""
+
         span: list[U32]
 
     class Generated(Struct):
+        """A run of generated tokens in one channel; `finish` is set on a turn's last run."""
+
         span: list[U32]
         text: str
         channel: U32
         finish: U32
 
     class ToolUse(Struct):
+        """A tool call the model made; its event id is the call id."""
+
         name: str
         arguments: str
 
     class ToolResult(Struct):
+        """The answer to a tool call, rendered as a tool turn."""
+
         call_id: U64
         content: str
         span: list[U32]
 
     class EpochBump(Struct):
-        pass
+        """The daemon restarted: later events carry the next epoch."""
 
     class GenerationFingerprint(Struct):
+        """What generated the following tokens: the model and its template."""
+
         digest: U64
 
     class ToolParseFailure(Struct):
+        """Tool-call text that could not be read as a call."""
+
         raw: str
 
     class Forked(Struct):
+        """A fork's first own event, at `fork_at`: events before it are the parent's."""
+
         parent: U64
         fork_at: U64
         params: GenParams
 
     class MetaUpdated(Struct):
+        """New title or archived flag; `version` counts the updates."""
+
         version: U64
         title: str | None
         archived: bool | None
 
     class Rebased(Struct):
+        """A rebased branch's first own event, at the first edit's `from`."""
+
         parent: U64
         fork_at: U64
         params: GenParams
         edits: list[RebaseEdit]
 
     class ToolExpired(Struct):
+        """A tool call closed without a result."""
+
         call_id: U64
         reason: str
 
     class Purged(Struct):
+        """The session was purged (not kept in its event list)."""
+
         generation: U64
         descendants: PurgeMode
 
     class Rerooted(Struct):
+        """The parent was purged: the inherited history, copied in."""
+
         purged_parent: U64
         prefix: list[tuple[U64, EventBody]]
 
     class QosSet(Struct):
+        """The session's scheduling class."""
+
         class_: U8
         batch_invariant: bool
 
     class Block(Struct):
+        """A structured block (diff, artifact, citation...) and the text it put on the input."""
+
         role: U32
         kind: U32
         payload: str
@@ -159,30 +197,44 @@ class EventBody(Enum):
         visibility_version: U32
 
     class PermissionRequest(Struct):
+        """A question for the user; its event id is the request id."""
+
         call_id: U64
         text: str
 
     class PermissionResponse(Struct):
+        """The user's answer to a permission request."""
+
         request_id: U64
         granted: bool
 
     class ToolCancelRequested(Struct):
+        """The client asked a running tool call to stop."""
+
         call_id: U64
 
     class ToolOutcome(Struct):
+        """A tool call ended without a result: 1 failed, 2 cancelled."""
+
         call_id: U64
         outcome: U8
         note: str
 
     class ToolReconciliation(Struct):
+        """A result that arrived after its call had already ended."""
+
         call_id: U64
         note: str
 
     class ToolLease(Struct):
+        """The deadline of a tool call's executor lease."""
+
         call_id: U64
         deadline_unix_ms: U64
 
     class Pinned(Struct):
+        """Keep the session's prefix cached until the deadline (0 clears)."""
+
         deadline_unix_ms: U64
 
 
@@ -207,6 +259,8 @@ class EventMsg(Struct):
 
 
 class SessionSummary(Struct):
+    """One line about a session, as `Sessions` lists it."""
+
     id: U64
     parent: U64 | None
     fork_at: U64
@@ -220,6 +274,8 @@ class SessionSummary(Struct):
 
 
 class LedgerEntry(Struct):
+    """A tool call's bookkeeping: its state (0 open .. 6 cancelled with a late effect)."""
+
     name: str
     arguments: str
     state: U8
@@ -232,17 +288,21 @@ class Tier(Enum):
     """Where a session's KV state lives."""
 
     class Resident(Struct):
-        pass
+        """A generation is running."""
 
     class Parked(Struct):
+        """The KV state is parked on disk."""
+
         covered: U64
         encoding: U8
 
     class Cold(Struct):
-        pass
+        """Nothing is held for it."""
 
 
 class Inspection(Struct):
+    """Everything the daemon knows about a session."""
+
     summary: SessionSummary
     params: GenParams
     epoch: U64
@@ -263,127 +323,181 @@ class Request(Enum):
     """What a client asks of the daemon."""
 
     class Create(Struct):
+        """A new session, optionally linked to a parent."""
+
         parent: U64 | None
         params: GenParams
 
     class Append(Struct):
+        """Raw tokens (or text tokenized as is, markers included)."""
+
         session: U64
         text: str | None
         span: list[U32]
 
     class AppendMessage(Struct):
+        """A message of role 0 system, 1 user or 2 assistant."""
+
         session: U64
         role: U32
         text: str
 
     class Generate(Struct):
+        """Generate the next turn (or continue a cut one)."""
+
         session: U64
         max_tokens: U32
 
     class Read(Struct):
+        """The events from `cursor` on."""
+
         session: U64
         cursor: U64
 
     class AppendToolResult(Struct):
+        """Answer an open tool call."""
+
         session: U64
         call_id: U64
         content: str
 
     class OpenToolCalls(Struct):
+        """The session's unanswered tool calls."""
+
         session: U64
 
     class List(Struct):
-        pass
+        """The ids of live sessions."""
 
     class Cancel(Struct):
+        """Stop the session's generation in flight."""
+
         session: U64
 
     class Subscribe(Struct):
+        """The events from `cursor` on, then live ones, on this connection."""
+
         session: U64
         cursor: U64
         provisional: bool
 
     class Unsubscribe(Struct):
+        """End a subscription."""
+
         sub: U64
 
     class Fork(Struct):
+        """A new session holding the events before `at_event`."""
+
         session: U64
         at_event: U64
         params: GenParams | None
 
     class Tree(Struct):
-        pass
+        """Every unarchived session as (id, parent, fork_at)."""
 
     class Sessions(Struct):
+        """A summary of every live session."""
+
         include_archived: bool
 
     class SetMeta(Struct):
+        """Set the title or archived flag, if the version still matches."""
+
         session: U64
         expected_version: U64
         title: str | None
         archived: bool | None
 
     class Rebase(Struct):
+        """A new branch with events dropped or replaced."""
+
         session: U64
         edits: list[RebaseEdit]
         params: GenParams | None
 
     class Purge(Struct):
+        """Remove a session (and its descendants, or reroot them)."""
+
         session: U64
         expected_generation: U64
         mode: PurgeMode
 
     class SetQos(Struct):
+        """The session's scheduling class: 0 interactive to 3 background."""
+
         session: U64
         class_: U8
         batch_invariant: bool
 
     class SetBackgroundRate(Struct):
+        """Run agent and background lanes only every `divisor`-th step."""
+
         divisor: U32
 
     class Inspect(Struct):
+        """Everything about a session."""
+
         session: U64
 
     class SetLogLevel(Struct):
+        """Change logging, with a directive such as `superfluid=debug`."""
+
         directive: str
 
     class Metrics(Struct):
-        pass
+        """The Prometheus exposition."""
 
     class AppendBlock(Struct):
+        """A structured block of kind 1 to 6."""
+
         session: U64
         role: U32
         kind: U32
         payload: str
 
     class RequestPermission(Struct):
+        """Ask the user before going on; generation waits for the answer."""
+
         session: U64
         call_id: U64
         text: str
 
     class RespondPermission(Struct):
+        """Answer a permission request."""
+
         session: U64
         request_id: U64
         granted: bool
 
     class RequestToolCancel(Struct):
+        """Ask a running tool call to stop."""
+
         session: U64
         call_id: U64
 
     class AppendToolOutcome(Struct):
+        """End a tool call without a result: 1 failed, 2 cancelled."""
+
         session: U64
         call_id: U64
         outcome: U8
         note: str
 
     class Ledger(Struct):
+        """Every tool call of the session and its state."""
+
         session: U64
 
     class PutMedia(Struct):
+        """Store a blob; answers its sha256."""
+
         bytes: Blob
         mime: str
 
     class AppendImage(Struct):
+        """An image from the media store, between two texts."""
+
         session: U64
         role: U32
         blob: str
@@ -391,23 +505,31 @@ class Request(Enum):
         post_text: str
 
     class GcMedia(Struct):
-        pass
+        """Remove blobs no session references."""
 
     class Complete(Struct):
+        """Fill in the middle between `prefix` and `suffix` (0 PSM, 1 SPM)."""
+
         prefix: str
         suffix: str
         mode: U8
         max_tokens: U32
 
     class Trim(Struct):
+        """A new session holding the events before `to_event`."""
+
         session: U64
         to_event: U64
 
     class Pin(Struct):
+        """Keep the session's prefix cached for `ttl_ms` (0 clears)."""
+
         session: U64
         ttl_ms: U64
 
     class AppendSystem(Struct):
+        """Open the session with a system turn that declares tools."""
+
         session: U64
         text: str | None
         tools: list[str]
@@ -417,93 +539,141 @@ class Response(Enum):
     """What the daemon answers."""
 
     class Created(Struct):
+        """The new session's id."""
+
         session: U64
 
     class Delta(Struct):
+        """An event a generation committed."""
+
         event: EventMsg
 
     class Cancelling(Struct):
-        pass
+        """The generation will stop at its next step."""
 
     class Committed(Struct):
+        """The event the request committed."""
+
         event: EventMsg
 
     class Generated(Struct):
+        """A generation's summary: its events, tokens, finish code and warm prefix."""
+
         events: list[EventMsg]
         tokens_generated: U32
         finish: U32
         warm_prefix: U64
 
     class Events(Struct):
+        """Events of a session."""
+
         events: list[EventMsg]
 
     class Sessions(Struct):
+        """Ids of live sessions."""
+
         ids: list[U64]
 
     class ToolCalls(Struct):
+        """Open tool calls as (call id, name, arguments)."""
+
         calls: list[tuple[U64, str, str]]
 
     class Subscribed(Struct):
+        """The new subscription's id."""
+
         sub: U64
 
     class SubEvent(Struct):
+        """An event for a subscription."""
+
         sub: U64
         event: EventMsg
 
     class SubProvisional(Struct):
+        """Text ahead of its commit, for a subscription."""
+
         sub: U64
         channel: U32
         text: str
 
     class SubEnded(Struct):
+        """A subscription ended: unsubscribed, lagged, publisher closed or purged."""
+
         sub: U64
         reason: str
 
     class Unsubscribed(Struct):
-        pass
+        """The subscription is ended."""
 
     class Err(Struct):
+        """The request was refused; nothing was written."""
+
         message: str
 
     class Tree(Struct):
+        """Sessions as (id, parent, fork_at)."""
+
         nodes: list[tuple[U64, U64 | None, U64]]
 
     class SessionList(Struct):
+        """Session summaries."""
+
         sessions: list[SessionSummary]
 
     class Meta(Struct):
+        """The new metadata version."""
+
         version: U64
 
     class Purged(Struct):
+        """The purged sessions, descendants first."""
+
         sessions: list[U64]
 
     class Ack(Struct):
-        pass
+        """Done."""
 
     class Inspection(Struct):
+        """Everything about a session."""
+
         inspection: Inspection
 
     class Text(Struct):
+        """Text, such as the metrics exposition."""
+
         text: str
 
     class Ledger(Struct):
+        """Tool calls and their states."""
+
         entries: list[tuple[U64, LedgerEntry]]
 
     class Media(Struct):
+        """The stored blob's sha256."""
+
         hash: str
 
     class Gc(Struct):
+        """Blobs kept and removed."""
+
         kept: U64
         removed: U64
 
     class Completion(Struct):
+        """A fill-in-the-middle answer; `cached` when it came from the recent results."""
+
         text: str
         tokens: list[U32]
         cached: bool
         expired: bool
 
     class Pinned(Struct):
+        """The pin's deadline."""
+
         deadline_unix_ms: U64
 
     class Throttled(Struct):
+        """Too many Complete requests: retry after this many milliseconds."""
+
         retry_after_ms: U64
