@@ -27,17 +27,23 @@ END_PURGED = "purged"
 
 @dataclass(frozen=True)
 class SubEvent:
+    """A committed event for the subscriber."""
+
     event: EventMsg
 
 
 @dataclass(frozen=True)
 class SubProvisional:
+    """Text ahead of its commit."""
+
     channel: int
     text: str
 
 
 @dataclass(frozen=True)
 class SubEnded:
+    """The subscription is over, and why."""
+
     reason: str
 
 

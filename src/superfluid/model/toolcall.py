@@ -22,6 +22,8 @@ ARGUMENT_KEYS = ("arguments", "parameters", "args", "input")
 
 @dataclass(frozen=True)
 class ParsedCall:
+    """A tool call read from text: its name and its arguments as compact JSON."""
+
     name: str
     arguments: str  # compact JSON of an object
 

@@ -95,32 +95,44 @@ def variant_of(value: Struct) -> tuple[type[Enum], int, str]:
 
 @dataclass(frozen=True)
 class PrimShape:
+    """A primitive."""
+
     prim: Prim
 
 
 @dataclass(frozen=True)
 class FixedShape:
+    """A fixed-size byte array."""
+
     size: int
 
 
 @dataclass(frozen=True)
 class VecShape:
+    """A vector of items."""
+
     item: Any
 
 
 @dataclass(frozen=True)
 class OptionShape:
+    """An optional value (`trailing`: a frame may end before it)."""
+
     inner: Any
     trailing: bool = False
 
 
 @dataclass(frozen=True)
 class TupleShape:
+    """A tuple."""
+
     items: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class FieldShape:
+    """One field: its Python name, its wire name and shape."""
+
     attr: str
     wire: str
     shape: Any
@@ -128,12 +140,16 @@ class FieldShape:
 
 @dataclass
 class StructShape:
+    """A struct: its class and fields in wire order."""
+
     cls: type
     fields: tuple[FieldShape, ...] = ()
 
 
 @dataclass
 class EnumShape:
+    """An enum: its class and its variants in wire order."""
+
     cls: type[Enum]
     variants: tuple[StructShape, ...] = ()
 

@@ -47,6 +47,8 @@ class RecordV1(Struct):
 
 @dataclass(frozen=True)
 class WalRecord:
+    """One record of a reference log: its session and event."""
+
     session: int
     event: EventMsg
 

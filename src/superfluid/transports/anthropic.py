@@ -27,6 +27,8 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 
 class MessagesRequest(Body):
+    """The body of POST /v1/messages."""
+
     model: str | None = None
     max_tokens: int
     messages: list[dict[str, Any]]

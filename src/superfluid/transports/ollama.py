@@ -27,6 +27,8 @@ OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "sto
 
 
 class ChatBody(Body):
+    """The body of POST /api/chat."""
+
     model: str | None = None
     messages: list[dict[str, Any]] = []
     stream: bool = True
@@ -36,6 +38,8 @@ class ChatBody(Body):
 
 
 class GenerateBody(Body):
+    """The body of POST /api/generate."""
+
     model: str | None = None
     prompt: str = ""
     system: str | None = None

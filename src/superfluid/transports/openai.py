@@ -34,6 +34,8 @@ class Body(BaseModel):
 
 
 class ChatCompletionRequest(Body):
+    """The body of POST /v1/chat/completions."""
+
     model: str | None = None
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
@@ -52,6 +54,8 @@ class ChatCompletionRequest(Body):
 
 
 class CompletionRequest(Body):
+    """The body of POST /v1/completions."""
+
     model: str | None = None
     prompt: str
     suffix: str | None = None
