@@ -308,7 +308,8 @@ class Scheduler:
         """Stop a lane; its job goes back to the front of its class with the stream so far."""
         job = lane.job
         self.lanes.remove(lane)
-        job.tokens = lane.held + lane.feed
+        if not job.prefill_only:  # a warm-up never feeds its last token; its tokens stay as they are
+            job.tokens = lane.held + lane.feed
         self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
         with self._cv:
             job.order = -next(self._order)  # ahead of everything else in its class
