@@ -485,3 +485,31 @@ def test_complete_is_metered_per_connection(daemon: DaemonProcess) -> None:
         assert "no FIM dialect" in replies[0].message
         # another connection has a bucket of its own
         assert isinstance(second.call(Request.Complete("x", "", 0, 4)), Response.Err)
+
+
+def test_repeated_kills_at_random_moments_lose_nothing(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(7)
+    proc = DaemonProcess(tmp_path).start()
+    seen: dict[int, object] = {}
+    try:
+        with proc.client() as c:
+            session = new_session(c, GenParams(0.8, 0.95, 0.0, 40, 5))
+            say(c, session, QUESTION)
+        for _ in range(3):
+            with proc.client() as c:
+                c.send(Request.Generate(session, 4000))
+                deadline = time.monotonic() + rng.uniform(0.3, 1.5)
+                while time.monotonic() < deadline:
+                    reply = c.receive()
+                    assert isinstance(reply, Response.Delta)
+                    seen[reply.event.event_id] = reply.event
+                proc.kill()
+            proc.start()
+            with proc.client() as c:
+                events = {e.event_id: e for e in c.call(Request.Read(session, 0)).events}
+                assert all(events[i] == event for i, event in seen.items())
+                assert sorted(events) == list(range(len(events)))
+    finally:
+        proc.stop()
