@@ -104,18 +104,19 @@ def started(
 
 
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
+    shared = list(range(100, 140))
     alone = Scheduler(FakeContext(sequences=4), lanes=1, window=256)
     alone.start()
-    expected, _ = run(alone, [5, 6, 7, 9, 9])
+    expected, _ = run(alone, [*shared, 9, 9])
     alone.stop()
 
     scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=256)
     scheduler.start()
     try:
-        run(scheduler, [5, 6, 7, 8, 8])  # leaves slot A holding [5, 6, 7, 8, 8, ...]
+        run(scheduler, [*shared, 8, 8])  # leaves slot A holding the shared part and more
         run(scheduler, [20, 21, 22])  # leaves slot B; no slot is free now, and A is the older entry
-        out, warm = run(scheduler, [5, 6, 7, 9, 9])  # shares 3 tokens with A: A must not be the one evicted
-        assert warm == 3 and out == expected
+        out, warm = run(scheduler, [*shared, 9, 9])  # shares 40 tokens with A: A must not be the one evicted
+        assert warm == len(shared) and out == expected
     finally:
         scheduler.stop()
 
@@ -208,10 +209,10 @@ def test_pinned_prefixes_are_evicted_last() -> None:
     scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024)
     scheduler.start()
     try:
-        pinned = [11, 12, 13, 14]
+        pinned = list(range(200, 240))
         run(scheduler, pinned, 2)
         scheduler.pin(pinned, int(time.time() * 1000) + 60_000)
-        run(scheduler, [21, 22, 23], 2)
+        run(scheduler, list(range(300, 340)), 2)
         run(scheduler, [31, 32, 33], 2)  # needs a slot: the unpinned, newer entry goes
         _, warm = run(scheduler, [*pinned, 15], 2)
         assert warm == len(pinned)
@@ -255,5 +256,17 @@ def test_the_background_rate_slows_agent_and_background_lanes() -> None:
     try:
         run(scheduler, [1, 2, 3], 10)
         assert scheduler.stats.steps >= 4 * 9
+    finally:
+        scheduler.stop()
+
+
+def test_a_few_shared_tokens_are_prefilled_not_copied() -> None:
+    context = FakeContext(sequences=4)
+    scheduler = Scheduler(context, lanes=1, window=256)
+    scheduler.start()
+    try:
+        run(scheduler, [1, 2, 3, 4, 5], 2)
+        _, warm = run(scheduler, [1, 2, 3, 9, 9], 2)
+        assert warm == 0, "three shared tokens are cheaper to prefill than a whole slot is to copy"
     finally:
         scheduler.stop()

@@ -69,6 +69,9 @@ def load(config: ServeConfig) -> Loaded:
 
 
 async def serve(config: ServeConfig) -> int:
+    # The scheduler thread must get the GIL back quickly between two decodes; the default
+    # 5 ms hand-over would let a busy transport thread stall the whole batch.
+    sys.setswitchinterval(0.0005)
     loaded = load(config)
     store = SessionStore(config.sessions)
     scheduler = Scheduler(

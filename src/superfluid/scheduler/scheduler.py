@@ -3,8 +3,9 @@
 Jobs (a prompt of token ids, sampling params, a token budget) wait in one queue per QoS
 class and run on lanes; a lane is a KV slot of the context. Each step puts every running
 lane into one `llama_decode` batch: one token for a lane that is decoding, a chunk of
-prompt for one that is prefilling. A tick is a run of steps (about `tick_ms`, cut short
-when a lane finishes); the sink commits what a tick produced in one transaction.
+prompt for one that is prefilling. A tick is a run of steps (about `tick_ms`, longer while
+every lane is busy, cut short when a lane finishes); the sink commits what a tick produced
+in one transaction.
 
 - A new lane starts from the longest prefix already cached (a slot, or host memory), so
   forks and continuations are warm. A job that shares a long prefix with a lane still
@@ -55,8 +56,15 @@ QOS_CLASSES = 4
 STARVATION_STEPS = 64
 HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this long is worth waiting for
 EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
+MIN_COPY_TOKENS = 32  # a slot copy costs about as much as prefilling this many tokens
+BUSY_TICK_S = 0.25  # tick length while every lane is busy
 STEP_TARGET_S = 0.25  # a step's work: what an interactive arrival may have to wait for
 MIN_PREFILL = 16
+
+
+def _runs(slots: set[int]) -> int:
+    """How many runs of consecutive numbers `slots` makes."""
+    return sum(1 for s in slots if s - 1 not in slots)
 
 
 class JobSink(Protocol):
@@ -229,7 +237,9 @@ class Scheduler:
             if not self.lanes:
                 return
             finished = self._step()
-            if finished or time.monotonic() - started >= self.tick_s:
+            # with every lane busy nobody waits for a free one: commit less often, decode more
+            target = self.tick_s if len(self.lanes) < self.max_lanes else max(self.tick_s, BUSY_TICK_S)
+            if finished or time.monotonic() - started >= target:
                 return
 
     def _reap_cancelled(self) -> None:
@@ -323,6 +333,8 @@ class Scheduler:
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
         now = self.now_ms()
         seed = self.cache.lookup(tokens, running, now)
+        if seed is not None and not seed.take and seed.length < MIN_COPY_TOKENS:
+            seed = None  # copying a whole slot costs more than prefilling a few tokens
         hosted = self.cache.host.lookup(tokens, len(tokens) - 1)
         if hosted is not None and hosted[1] > (seed.length if seed else 0) + EXPORT_MIN_TOKENS:
             seq = self._free_seq()
@@ -336,6 +348,8 @@ class Scheduler:
             if seed is not None and not seed.take and starved:
                 # the entry to copy from is the only one left to evict: take it over instead
                 seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
+            if seed is not None and seed.take and self._scatters(seed.seq) and seed.length >= MIN_COPY_TOKENS:
+                seed = Seed(seed.seq, seed.length, take=False)  # copy it next to the running lanes instead
             if seed is not None and seed.take:
                 seq = seed.seq
                 self.cache.remove(seq)
@@ -358,17 +372,48 @@ class Scheduler:
             feed = feed[:-1]
         return Lane(seq, job, list(job.tokens[:length]), feed, next(self._admissions))
 
+    def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, float]:
+        """Lower is better: keeps lanes consecutive, then spares idle entries (pinned and recent ones most)."""
+        entry = self.cache.entries.get(slot)
+        if entry is None:
+            return (_runs(running | {slot}), 0, False, 0.0)
+        return (_runs(running | {slot}), 1, entry.pinned(now), entry.last_used)
+
+    def _scatters(self, slot: int) -> bool:
+        """True when a lane on `slot` would break the running lanes' run that another slot would not."""
+        running = {lane.seq for lane in self.lanes}
+        if not running:
+            return False
+        others = [s for s in [*self._free_seqs, *self.cache.entries] if s != slot]
+        return bool(others) and _runs(running | {slot}) > min(_runs(running | {s}) for s in others)
+
     def _free_seq(self, spare: int | None = None) -> int:
-        """A slot for a new lane, evicting an idle entry if need be (never `spare`)."""
-        if not self._free_seqs and not self._evict(spare):
+        """A slot for a new lane: a free one, or an idle entry's (never `spare`) moved out.
+
+        llama.cpp decodes sequences with consecutive ids in one pass and splits the rest, so
+        the slot is chosen to keep the running lanes consecutive.
+        """
+        running = {lane.seq for lane in self.lanes}
+        now = self.now_ms()
+        candidates = [*self._free_seqs, *(seq for seq in self.cache.entries if seq != spare)]
+        if not candidates:
             raise EngineError("every sequence slot is in use")
-        return self._free_seqs.pop()
+        slot = min(candidates, key=lambda s: self._slot_cost(s, running, now))
+        if slot in self.cache.entries:
+            self._evict_slot(slot)
+        self._free_seqs.remove(slot)
+        return slot
 
     def _evict(self, spare: int | None = None) -> bool:
-        """Move the least valuable idle entry out of its slot, to host memory when it is worth it."""
+        """Move the least valuable idle entry out of its slot; False when there is none."""
         victim = self.cache.victim(self.now_ms(), spare=spare)
         if victim is None:
             return False
+        self._evict_slot(victim)
+        return True
+
+    def _evict_slot(self, victim: int) -> None:
+        """Empty an idle entry's slot, exporting the entry to host memory when it is worth it."""
         entry = self.cache.remove(victim)
         if len(entry.tokens) >= EXPORT_MIN_TOKENS and self.cache.host.budget:
             self.cache.host.add(entry.tokens, self.context.export(victim))
@@ -376,7 +421,6 @@ class Scheduler:
         self.context.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
-        return True
 
     # ---- a step ----
 
@@ -460,7 +504,7 @@ class Scheduler:
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
-        return plan
+        return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
     def _advance(self, lane: Lane, logits: np.ndarray) -> bool:
         """Sample the lane's next token; returns True when its job is over."""
