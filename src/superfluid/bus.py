@@ -26,14 +26,14 @@ END_PURGED = "purged"
 
 
 @dataclass(frozen=True)
-class SubEvent:
-    """A committed event for the subscriber."""
+class Committed:
+    """A committed event, durable before anyone sees it."""
 
     event: EventMsg
 
 
 @dataclass(frozen=True)
-class SubProvisional:
+class Provisional:
     """Text ahead of its commit."""
 
     channel: int
@@ -47,7 +47,7 @@ class SubEnded:
     reason: str
 
 
-SubItem = SubEvent | SubProvisional | SubEnded
+SubItem = Committed | Provisional | SubEnded
 
 
 @dataclass(eq=False)
@@ -68,11 +68,11 @@ class Subscription:
         for event in self.backlog:
             if event.event_id >= self.next_id:
                 self.next_id = event.event_id + 1
-                yield SubEvent(event)
+                yield Committed(event)
         self.backlog = []
         while True:
             item = await self.queue.get()
-            if isinstance(item, SubEvent):
+            if isinstance(item, Committed):
                 if item.event.event_id < self.next_id:
                     continue
                 self.next_id = item.event.event_id + 1
@@ -119,12 +119,12 @@ class Bus:
     def publish(self, session: int, events: list[EventMsg]) -> None:
         for sub in self._each(session):
             for event in events:
-                sub.loop.call_soon_threadsafe(sub._push, SubEvent(event))
+                sub.loop.call_soon_threadsafe(sub._push, Committed(event))
 
     def provisional(self, session: int, channel: int, text: str) -> None:
         for sub in self._each(session):
             if sub.provisional:
-                sub.loop.call_soon_threadsafe(sub._push, SubProvisional(channel, text))
+                sub.loop.call_soon_threadsafe(sub._push, Provisional(channel, text))
 
     def end(self, sub: Subscription, reason: str) -> None:
         self._detach(sub)

@@ -204,6 +204,12 @@ class ChatRun:
                 reply.calls.append(piece)
         return reply
 
+    def result(self) -> Outcome | str:
+        """How the run ended once its pieces are consumed: the outcome, or what went wrong."""
+        if self.outcome is None:
+            return "generation failed"
+        return self.outcome.error or self.outcome
+
     def cancel(self) -> None:
         """Stop the generation (the client went away); harmless once it has ended."""
         if self._generation is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .bus import Committed, Provisional
 from .metrics import Metrics
 from .model.channels import ChannelSplitter, Piece
 from .model.toolcall import parse_tool_call
@@ -37,21 +38,6 @@ from .store.sessions import SessionStore
 
 log = logging.getLogger("superfluid.generation")
 B = EventBody
-
-
-@dataclass(frozen=True)
-class Committed:
-    """An event of the generation, durable."""
-
-    event: EventMsg
-
-
-@dataclass(frozen=True)
-class Provisional:
-    """Text ahead of its commit."""
-
-    channel: int
-    text: str
 
 
 @dataclass(frozen=True)

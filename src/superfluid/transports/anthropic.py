@@ -134,9 +134,9 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
                 blocks[-1][kind] += piece.text
             else:
                 blocks.append({"type": kind, kind: piece.text, **({"signature": ""} if kind == "thinking" else {})})
-        outcome = run.outcome
-        if outcome is None or outcome.error:
-            return error(outcome.error if outcome else "generation failed", 500, "api_error")
+        outcome = run.result()
+        if isinstance(outcome, str):
+            return error(outcome, 500, "api_error")
         return JSONResponse(
             {
                 "id": reply_id,
@@ -203,10 +203,9 @@ async def _stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
         run.cancel()
     if open_kind is not None:
         yield _event("content_block_stop", {"index": index})
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        message = outcome.error if outcome else "generation failed"
-        yield _event("error", {"error": {"type": "api_error", "message": message}})
+    outcome = run.result()
+    if isinstance(outcome, str):
+        yield _event("error", {"error": {"type": "api_error", "message": outcome}})
         return
     delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stopped_by}
     yield _event("message_delta", {"delta": delta, "usage": usage(outcome)})

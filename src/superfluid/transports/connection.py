@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from ..bus import END_UNSUBSCRIBED, SubEnded, SubEvent, Subscription
+from ..bus import END_UNSUBSCRIBED, SubEnded, Subscription
 from ..daemon import Daemon, DaemonError, Generation
 from ..generation import Committed, Done, Failed
 from ..protocol.schema import Request, Response
@@ -78,7 +78,7 @@ class Connection:
 
     async def _pump(self, sub: Subscription) -> None:
         async for item in sub.items():
-            if isinstance(item, SubEvent):
+            if isinstance(item, Committed):
                 await self.send(Response.SubEvent(sub.id, item.event))
             elif isinstance(item, SubEnded):
                 self._subs.pop(sub.id, None)

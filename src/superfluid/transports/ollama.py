@@ -18,7 +18,7 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
-from ..chat import ChatError, ChatRequest, ChatRun, Piece
+from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from .openai import Body, sampling
@@ -184,9 +184,7 @@ def _part(piece: Piece, name: str, chat: bool) -> dict[str, Any]:
     return {"model": name, "created_at": _now(), "response": piece.text if piece.kind == "text" else "", "done": False}
 
 
-def _final(run: ChatRun, name: str, chat: bool, started: float) -> dict[str, Any]:
-    outcome = run.outcome
-    assert outcome is not None
+def _final(outcome: Outcome, name: str, chat: bool, started: float) -> dict[str, Any]:
     final: dict[str, Any] = {
         "model": name,
         "created_at": _now(),
@@ -209,10 +207,10 @@ async def _respond(run: ChatRun, name: str, stream: bool, chat: bool) -> Respons
     if stream:
         return StreamingResponse(_lines(run, name, chat, started), media_type="application/x-ndjson")
     reply = await run.collect()
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        return error(outcome.error if outcome else "generation failed", 500)
-    final = _final(run, name, chat, started)
+    outcome = run.result()
+    if isinstance(outcome, str):
+        return error(outcome, 500)
+    final = _final(outcome, name, chat, started)
     if chat:
         final["message"] = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
@@ -232,8 +230,8 @@ async def _lines(run: ChatRun, name: str, chat: bool, started: float) -> AsyncIt
             yield json.dumps(_part(piece, name, chat), ensure_ascii=False) + "\n"
     finally:
         run.cancel()
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        yield json.dumps({"error": outcome.error if outcome else "generation failed"}) + "\n"
+    outcome = run.result()
+    if isinstance(outcome, str):
+        yield json.dumps({"error": outcome}) + "\n"
         return
-    yield json.dumps(_final(run, name, chat, started), ensure_ascii=False) + "\n"
+    yield json.dumps(_final(outcome, name, chat, started), ensure_ascii=False) + "\n"

@@ -205,28 +205,20 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         if body.stream:
             return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
         text = (await run.collect()).text
-        outcome = run.outcome
-        if outcome is None or outcome.error:
-            return error(outcome.error if outcome else "generation failed", 500, "server_error")
-        return JSONResponse(
-            {
-                "id": reply_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": name,
-                "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish, "logprobs": None}],
-                "usage": usage(outcome),
-            }
-        )
+        outcome = run.result()
+        if isinstance(outcome, str):
+            return error(outcome, 500, "server_error")
+        choice = {"index": 0, "text": text, "finish_reason": outcome.finish, "logprobs": None}
+        return JSONResponse(_reply(reply_id, "text_completion", name, choice, outcome))
 
     return api
 
 
 async def _chat_reply(run: ChatRun, reply_id: str, name: str) -> Response:
     reply = await run.collect()
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        return error(outcome.error if outcome else "generation failed", 500, "server_error")
+    outcome = run.result()
+    if isinstance(outcome, str):
+        return error(outcome, 500, "server_error")
     calls = [
         {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in reply.calls
@@ -236,17 +228,23 @@ async def _chat_reply(run: ChatRun, reply_id: str, name: str) -> Response:
         message["reasoning_content"] = reply.reasoning
     if calls:
         message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "finish_reason": outcome.finish, "logprobs": None}
     return JSONResponse(
-        {
-            "id": reply_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish, "logprobs": None}],
-            "usage": usage(outcome),
-        },
+        _reply(reply_id, "chat.completion", name, choice, outcome),
         headers={"x-superfluid-warm": str(outcome.cached_tokens)},
     )
+
+
+def _reply(reply_id: str, kind: str, name: str, choice: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+    """The body of a whole (non-streamed) reply of either endpoint."""
+    return {
+        "id": reply_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": name,
+        "choices": [choice],
+        "usage": usage(outcome),
+    }
 
 
 def _sse(obj: Any) -> str:
@@ -284,9 +282,9 @@ async def _chat_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[
                 calls += 1
     finally:
         run.cancel()  # the client hung up mid-stream, or the generation is over
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        yield _sse({"error": {"message": outcome.error if outcome else "generation failed", "type": "server_error"}})
+    outcome = run.result()
+    if isinstance(outcome, str):
+        yield _sse({"error": {"message": outcome, "type": "server_error"}})
     else:
         yield chunk({}, outcome.finish, usage=usage(outcome))
     yield "data: [DONE]\n\n"
@@ -303,9 +301,9 @@ async def _completion_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIte
                 )
     finally:
         run.cancel()
-    outcome = run.outcome
-    if outcome is None or outcome.error:
-        yield _sse({"error": {"message": outcome.error if outcome else "generation failed", "type": "server_error"}})
+    outcome = run.result()
+    if isinstance(outcome, str):
+        yield _sse({"error": {"message": outcome, "type": "server_error"}})
     else:
         choice = {"index": 0, "text": "", "finish_reason": outcome.finish, "logprobs": None}
         yield _sse({**base, "choices": [choice], "usage": usage(outcome)})
