@@ -33,13 +33,10 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class ChatCompletionRequest(Body):
-    """The body of POST /v1/chat/completions."""
+class SampledBody(Body):
+    """The fields both OpenAI endpoints share: the model, its sampling, stops and streaming."""
 
     model: str | None = None
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,26 +44,29 @@ class ChatCompletionRequest(Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+
+    def params(self) -> GenParams:
+        return sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
+
+
+class ChatCompletionRequest(SampledBody):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     n: int = 1
 
 
-class CompletionRequest(Body):
+class CompletionRequest(SampledBody):
     """The body of POST /v1/completions."""
 
-    model: str | None = None
     prompt: str
     suffix: str | None = None
     max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
 
 
 def error(message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None) -> Response:
@@ -167,7 +167,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
                     return error("response_format json_schema needs a schema", param="response_format")
             request = ChatRequest(
                 messages=chat_messages(body.messages),
-                params=sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed),
+                params=body.params(),
                 max_tokens=body.max_completion_tokens or body.max_tokens,
                 tools=tools,
                 tool_choice=choice,
@@ -193,7 +193,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
             request = ChatRequest(
                 messages=[],
                 prompt=body.prompt,
-                params=sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed),
+                params=body.params(),
                 max_tokens=body.max_tokens,
                 stop=_stops(body.stop),
             )
