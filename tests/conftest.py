@@ -1,4 +1,15 @@
-"""Shared fixtures: a real `superfluid serve` on the embedded model, in temporary dirs."""
+"""Shared fixtures: a real `superfluid serve` on the embedded model, in temporary dirs.
+
+The model's greedy text differs from CPU to CPU (llama.cpp picks SIMD kernels for the
+machine it is built on), so tests rely only on what holds on every machine, through the
+helpers below that say which property they need:
+- `forced`: with end-of-generation banned (`ignore_eos`), a generation yields exactly the
+  tokens asked for;
+- `reference` comparisons: the same request twice gives the same tokens, and a cut,
+  resumed or forked run gives the tokens of the uncut one;
+- `ENDS_TURN`: a grammar whose only sentence is fixed, so a turn ends (finish 3) at a known point.
+Run the suite with `SUPERFLUID_TEST_LOGIT_SKEW=<n>` to see it hold when the model's words change.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +24,11 @@ from pathlib import Path
 import pytest
 
 from superfluid.client import SocketClient
-from superfluid.protocol.schema import GenParams, Request, Response
+from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Response
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+# A grammar with one sentence: the turn ends after it on any machine (finish 3).
+ENDS_TURN = 'root ::= "Hello there."'
 
 
 class DaemonProcess:
@@ -81,8 +94,8 @@ class DaemonProcess:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(tmp_path_factory.mktemp("daemon")).start()
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDaemon]:
+    proc = WebDaemon(tmp_path_factory.mktemp("daemon")).start()
     yield proc
     proc.stop()
 
@@ -105,13 +118,23 @@ def say(client: SocketClient, session: int, text: str, role: int = 1) -> Respons
     return reply
 
 
-def generate(client: SocketClient, session: int, max_tokens: int) -> tuple[list, Response.Generated]:
+def generate(
+    client: SocketClient, session: int, max_tokens: int, *, ignore_eos: bool = False
+) -> tuple[list, Response.Generated]:
     """The Deltas and the summary of one Generate; fails on an Err."""
-    replies = list(client.generate(session, max_tokens))
+    replies = list(client.generate(session, max_tokens, ignore_eos=ignore_eos))
     *deltas, summary = replies
     assert isinstance(summary, Response.Generated), summary
     assert all(isinstance(d, Response.Delta) for d in deltas)
     return [d.event for d in deltas], summary
+
+
+def forced(client: SocketClient, session: int, tokens: int) -> tuple[list, Response.Generated]:
+    """A generation with end-of-generation banned: exactly `tokens` tokens, on every machine."""
+    deltas, summary = generate(client, session, tokens, ignore_eos=True)
+    assert summary.tokens_generated == tokens and summary.finish == FINISH_LENGTH, summary
+    assert len(generated_tokens(deltas)) == tokens
+    return deltas, summary
 
 
 def generated_tokens(events: list) -> list[int]:
@@ -147,3 +170,25 @@ class WebDaemon(DaemonProcess):
 
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}", "x-superfluid-csrf": self.token}
+
+
+def web_stream(daemon: WebDaemon, body: dict) -> list[dict]:
+    """The frames of one POST /web/stream, up to its summary."""
+    import json
+
+    import httpx
+
+    frames = []
+    with httpx.stream("POST", f"{daemon.url}/web/stream", json=body, headers=daemon.headers(), timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line[len("data: ") :]))
+    return frames
+
+
+def end_turn(daemon: WebDaemon, session: int) -> list[dict]:
+    """Generate a turn that ends on every machine at the same point: the `ENDS_TURN` sentence."""
+    frames = web_stream(daemon, {"session": session, "max_tokens": 64, "grammar": ENDS_TURN})
+    assert frames[-1]["done"]["finish"] == 3, frames[-1]
+    return frames

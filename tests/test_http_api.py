@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import anthropic
@@ -44,13 +48,34 @@ def oa(api: ApiDaemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused")
 
 
+# end-of-generation banned: a reply of exactly max_tokens on every machine
+FORCED = {"ignore_eos": True}
+# a tool whose argument is one of a few words, so a forced call always completes
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
 def test_openai_chat_and_a_warm_second_turn(oa: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}]
-    first = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    first = oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, extra_body=FORCED
+    )
     choice = first.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert first.usage.completion_tokens == 24 and first.usage.prompt_tokens > 0
-    again = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    again = oa.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, extra_body=FORCED
+    )
     assert again.choices[0].message.content == choice.message.content, "greedy is reproducible"
     messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "And one more?"}]
     second = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
@@ -64,11 +89,16 @@ def test_openai_streaming(oa: openai.OpenAI) -> None:
         max_tokens=16,
         temperature=0,
         stream=True,
+        extra_body=FORCED,
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     whole = oa.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16, temperature=0
+        model="smollm2",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=16,
+        temperature=0,
+        extra_body=FORCED,
     )
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
@@ -78,7 +108,7 @@ def test_openai_tool_calls_and_json(oa: openai.OpenAI) -> None:
     forced = oa.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Is it raining in Paris?"}],
-        tools=[WEATHER],
+        tools=[CITY_TOOL],
         tool_choice="required",
         max_tokens=64,
         temperature=0,
@@ -99,7 +129,10 @@ def test_openai_tool_calls_and_json(oa: openai.OpenAI) -> None:
         temperature=0,
     )
     assert answered.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24}, "legs": {"type": "integer"}},
+    }
     schema["required"] = ["name", "legs"]
     as_json = oa.chat.completions.create(
         model="smollm2",
@@ -114,12 +147,16 @@ def test_openai_tool_calls_and_json(oa: openai.OpenAI) -> None:
 
 
 def test_openai_completions_stops_and_errors(oa: openai.OpenAI) -> None:
-    completion = oa.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
-    assert completion.choices[0].text and completion.usage.completion_tokens <= 8
-    stopped = oa.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Count from 1 to 10."}], stop=["5"], temperature=0
+    completion = oa.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0, extra_body=FORCED
     )
-    assert "5" not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    assert completion.usage.completion_tokens == 8 and completion.choices[0].finish_reason == "length"
+    count = {"model": "smollm2", "messages": [{"role": "user", "content": "Count from 1 to 10."}], "temperature": 0}
+    whole = oa.chat.completions.create(**count, max_tokens=32, extra_body=FORCED).choices[0].message.content
+    stop = whole[len(whole) // 2 :][:2]  # two characters from the middle of this machine's reply
+    at = whole.index(stop)
+    stopped = oa.chat.completions.create(**count, max_tokens=32, stop=[stop], extra_body=FORCED).choices[0]
+    assert stopped.message.content == whole[:at] and stopped.finish_reason == "stop"
     assert [m.id for m in oa.models.list().data] == ["SmolLM2-135M-Instruct"]
     with pytest.raises(openai.BadRequestError, match="maximum context length is 2048 tokens"):
         oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 3000}])
@@ -134,20 +171,19 @@ def test_anthropic_messages(api: ApiDaemon) -> None:
         max_tokens=16,
         system="Be brief.",
         messages=[{"role": "user", "content": "Name a river."}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, **FORCED},
     )
-    assert reply.content[0].type == "text" and reply.content[0].text and reply.stop_reason == "max_tokens"
-    assert reply.usage.output_tokens == 16
+    assert reply.content and reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 16
     with client.messages.stream(
         model="smollm2",
         max_tokens=16,
         system="Be brief.",
         messages=[{"role": "user", "content": "Name a river."}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, **FORCED},
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text == reply.content[0].text and final.stop_reason == "max_tokens"
+    assert text == "".join(b.text for b in reply.content if b.type == "text") and final.stop_reason == "max_tokens"
     tool_turn = client.messages.create(
         model="smollm2",
         max_tokens=12,
@@ -167,9 +203,9 @@ def test_anthropic_messages(api: ApiDaemon) -> None:
 
 def test_ollama_chat_generate_and_tags(api: ApiDaemon) -> None:
     client = ollama.Client(host=api.url)
-    options = {"temperature": 0, "num_predict": 12}
+    options = {"temperature": 0, "num_predict": 12, **FORCED}
     reply = client.chat(model="smollm2", messages=[{"role": "user", "content": "Name a river."}], options=options)
-    assert reply.message.content and reply.done and reply.done_reason == "length" and reply.eval_count == 12
+    assert reply.done and reply.done_reason == "length" and reply.eval_count == 12
     streamed = "".join(
         part.message.content
         for part in client.chat(
@@ -178,7 +214,7 @@ def test_ollama_chat_generate_and_tags(api: ApiDaemon) -> None:
     )
     assert streamed == reply.message.content
     generated = client.generate(model="smollm2", prompt="Name a river.", options=options)
-    assert generated.response and generated.done
+    assert generated.done and generated.eval_count == 12
     assert [m.model for m in client.list().models] == ["SmolLM2-135M-Instruct:latest"]
     with pytest.raises(ollama.ResponseError, match="unsupported option: mirostat"):
         client.chat(model="smollm2", messages=[{"role": "user", "content": "x"}], options={"mirostat": 1})
@@ -193,3 +229,41 @@ def test_health_metrics_and_origin_checks(api: ApiDaemon) -> None:
     assert rebinding.status_code == 403
     assert httpx.get(f"{api.url}/v1/models", headers={"Origin": "http://localhost:5173"}).status_code == 200
     assert httpx.get(f"{api.url}/").text == "superfluid is running"
+
+
+def _metric(api: ApiDaemon, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", httpx.get(f"{api.url}/metrics").text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+def _hang_up_after(api: ApiDaemon, path: str, body: dict, seconds: float) -> None:
+    """A non-streaming request whose client closes its socket before the reply."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", api.port)) as raw:
+        raw.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "m", "max_tokens": 2000, "ignore_eos": True}),
+        ("/v1/messages", {"model": "m", "max_tokens": 2000, "ignore_eos": True}),
+        ("/api/chat", {"model": "m", "stream": False, "options": {"num_predict": 2000, "ignore_eos": True}}),
+    ],
+)
+def test_a_non_streaming_client_that_hangs_up_frees_its_lane(api: ApiDaemon, path: str, body: dict) -> None:
+    body = {**body, "messages": [{"role": "user", "content": "Write a very long story."}]}
+    clients = [threading.Thread(target=_hang_up_after, args=(api, path, body, 2.0)) for _ in range(4)]
+    for client in clients:
+        client.start()
+    time.sleep(1.5)
+    assert _metric(api, "superfluid_lanes_active") == 4, "the four generations are running"
+    for client in clients:
+        client.join()
+    hung_up = time.monotonic()
+    while _metric(api, "superfluid_lanes_active") > 0 and time.monotonic() - hung_up < 5:
+        time.sleep(0.05)
+    assert time.monotonic() - hung_up < 1.0, "every lane is free within a second of the hang-up"

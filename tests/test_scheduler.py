@@ -32,9 +32,15 @@ class FakeContext:
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay = delay
         self.batches: list[set[int]] = []
+        self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
+
+    @property
+    def copy_pending(self) -> bool:
+        return bool(self.copying)
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
         time.sleep(self.delay)
+        self.copying.clear()
         self.batches.append({int(s) for s in seqs})
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
@@ -49,14 +55,17 @@ class FakeContext:
 
     def copy(self, source: int, target: int, length: int) -> None:
         self.slots[target] = list(self.slots[source][:length])
+        self.copying.update((source, target))
 
     def truncate(self, seq: int, length: int) -> None:
         del self.slots[seq][length:]
 
     def export(self, seq: int) -> bytes:
+        assert seq not in self.copying, f"slot {seq} exported before its copy ran"
         return json.dumps(self.slots[seq]).encode()
 
     def restore(self, seq: int, data: bytes) -> None:
+        assert seq not in self.copying, f"slot {seq} overwritten before its copy ran"
         assert not self.slots[seq], "a restore goes into an empty slot"
         self.slots[seq] = json.loads(data)
 

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import DaemonProcess, generate, generated_tokens, new_session, say
+from conftest import DaemonProcess, forced, generate, generated_tokens, new_session, say
 
 from superfluid.protocol.schema import Request, Response
 
@@ -27,7 +27,7 @@ def test_a_preempted_background_generation_finishes_as_it_would_alone(tmp_path: 
         with proc.client() as c:
             alone = new_session(c)
             say(c, alone, STORY)
-            expected = generated_tokens(generate(c, alone, 80)[0])
+            expected = generated_tokens(forced(c, alone, 200)[0])
 
             background = new_session(c)
             c.call(Request.SetQos(background, 3, False))
@@ -38,14 +38,21 @@ def test_a_preempted_background_generation_finishes_as_it_would_alone(tmp_path: 
             order: list[str] = []
             result: dict[str, list[int]] = {}
 
+            running = threading.Event()
+
             def run(name: str, session: int, max_tokens: int) -> None:
                 with proc.client() as own:
-                    result[name] = generated_tokens(generate(own, session, max_tokens)[0])
+                    own.send(Request.Generate(session, max_tokens, True))
+                    replies = [own.receive()]
+                    running.set()
+                    while isinstance(replies[-1], Response.Delta):
+                        replies.append(own.receive())
+                result[name] = generated_tokens([r.event for r in replies if isinstance(r, Response.Delta)])
                 order.append(name)
 
-            slow = threading.Thread(target=run, args=("background", background, 80))
+            slow = threading.Thread(target=run, args=("background", background, 200))
             slow.start()
-            time.sleep(0.4)
+            assert running.wait(60), "the background generation started"
             run("chat", chat, 4)
             slow.join(120)
             assert order == ["chat", "background"], "the chat did not wait for the background lane"

@@ -162,14 +162,15 @@ def test_complete_is_metered_per_listener(web: WebDaemon) -> None:
 
 def test_sse_framing(web: WebDaemon) -> None:
     session = new_session(web)
-    frames = list(sse(web, {"session": session, "max_tokens": 16, "provisional": True}))
+    frames = list(sse(web, {"session": session, "max_tokens": 16, "provisional": True, "ignore_eos": True}))
     assert frames[-1] == "[DONE]"
     done = frames[-2]["done"]
     assert done["tokens_generated"] == 16 and done["finish"] == 2 and done["warm_prefix"] >= 0
     committed = [f["committed"] for f in frames[:-2] if "committed" in f]
     provisional = "".join(f["provisional"]["text"] for f in frames[:-2] if "provisional" in f)
-    text = "".join(e["body"]["Generated"]["text"] for e in committed)
-    assert provisional == text and text, "provisional text is the committed text, ahead of it"
+    text = "".join(e["body"].get("Generated", {}).get("text", "") for e in committed)
+    # provisional text runs ahead of the commits; only a held-back tail (half a marker) can lag
+    assert provisional and text.startswith(provisional), "provisional text is the committed text, ahead of it"
     assert committed[-1]["body"]["Generated"]["finish"] == 2
     events = call(web, {"Read": {"session": session, "cursor": 0}})["Events"]["events"]
     assert committed == events[-len(committed) :]
@@ -185,7 +186,7 @@ def test_closing_the_stream_cancels_the_generation(web: WebDaemon) -> None:
     with httpx.stream(
         "POST",
         f"{web.url}/web/stream",
-        json={"session": session, "max_tokens": 500, "provisional": True},
+        json={"session": session, "max_tokens": 500, "provisional": True, "ignore_eos": True},
         headers=web.headers(),
         timeout=60,
     ) as response:
@@ -211,7 +212,7 @@ def test_cancel_on_rpc_while_streaming(web: WebDaemon) -> None:
     frames: list = []
 
     def consume() -> None:
-        frames.extend(sse(web, {"session": session, "max_tokens": 500, "provisional": True}))
+        frames.extend(sse(web, {"session": session, "max_tokens": 500, "provisional": True, "ignore_eos": True}))
 
     reader = threading.Thread(target=consume)
     reader.start()
@@ -227,11 +228,17 @@ def test_cancel_on_rpc_while_streaming(web: WebDaemon) -> None:
     busy_session = new_session(web)
     frames.clear()
     reader = threading.Thread(target=consume)
-    second = threading.Thread(
-        target=lambda: frames.append(list(sse(web, {"session": busy_session, "max_tokens": 300})))
-    )
+    started: list = []
+
+    def consume_busy() -> None:
+        for frame in sse(web, {"session": busy_session, "max_tokens": 300, "ignore_eos": True, "provisional": True}):
+            started.append(frame)
+
+    second = threading.Thread(target=consume_busy)
     second.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.02)
     busy = list(sse(web, {"session": busy_session, "max_tokens": 3}))
     assert busy[0] == {"error": f"session {busy_session} is generating; append/generate after it finishes or cancel it"}
     call(web, {"Cancel": {"session": busy_session}})
@@ -298,7 +305,8 @@ def test_websocket_session_and_bad_frames(web: WebDaemon) -> None:
             assert "Committed" in await ask({"AppendMessage": {"session": session, "role": 1, "text": "Hi!"}})
             assert (await ask("{not json"))["Err"]["message"].startswith("invalid request frame:")
             assert "unknown variant `Nope`" in (await ask({"Nope": {}}))["Err"]["message"]
-            await conn.send(json.dumps({"Generate": {"session": session, "max_tokens": 6}}).encode())  # binary frame
+            generate = {"Generate": {"session": session, "max_tokens": 6, "ignore_eos": True}}
+            await conn.send(json.dumps(generate).encode())  # binary frame
             deltas = []
             while True:
                 reply = json.loads(await conn.recv())
@@ -322,7 +330,7 @@ def test_subscribe_backlog_live_and_endings(web: WebDaemon) -> None:
             session = new_session(web, "Say hello.")
             await conn.send(json.dumps({"Subscribe": {"session": session, "cursor": 0, "provisional": True}}))
             sub = json.loads(await conn.recv())["Subscribed"]["sub"]
-            await other.send(json.dumps({"Generate": {"session": session, "max_tokens": 8}}))
+            await other.send(json.dumps({"Generate": {"session": session, "max_tokens": 8, "ignore_eos": True}}))
             seen: list[int] = []
             provisional = ""
             while True:

@@ -55,7 +55,9 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     json_schema: Any = None  # a schema, or True for any JSON object
     qos: int = QOS_AGENT
+    batch_invariant: bool = False
     prompt: str | None = None  # a raw prompt, rendered with no template at all
+    ignore_eos: bool = False  # decode to max_tokens: end-of-generation tokens are never drawn
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,26 @@ class Outcome:
 
 @dataclass
 class Collected:
-    """A whole reply: its text, its reasoning and the tool calls it made."""
+    """A whole reply: its text, its reasoning and the tool calls it made; `pieces` in order,
+    neighbours of one kind joined."""
 
     text: str = ""
     reasoning: str = ""
     calls: list[Piece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+
+    def add(self, piece: Piece) -> None:
+        if piece.kind == "text":
+            self.text += piece.text
+        elif piece.kind == "reasoning":
+            self.reasoning += piece.text
+        else:
+            self.calls.append(piece)
+        last = self.pieces[-1] if self.pieces else None
+        if last is not None and last.kind == piece.kind and piece.kind != "tool_call":
+            self.pieces[-1] = Piece(piece.kind, last.text + piece.text)
+        else:
+            self.pieces.append(piece)
 
 
 def seed_for(seed: int | None) -> int:
@@ -122,7 +139,7 @@ class ChatRun:
         room = daemon.window - self.prompt_tokens
         self.max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self.grammar = self._grammar()
-        self.session = daemon.open_chat(request.params, prompt, opener, request.qos)
+        self.session = daemon.open_chat(request.params, prompt, opener, request.qos, request.batch_invariant)
 
     def _grammar(self) -> str | None:
         request, markers = self.request, self.daemon.template.call_markers
@@ -148,7 +165,9 @@ class ChatRun:
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             generation = self._generation = self.daemon.generate(
-                Request.Generate(self.session, self.max_tokens), provisional=True, grammar=self.grammar
+                Request.Generate(self.session, self.max_tokens, self.request.ignore_eos or None),
+                provisional=True,
+                grammar=self.grammar,
             )
         except DaemonError as e:
             self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=str(e))
@@ -196,12 +215,7 @@ class ChatRun:
         """The whole reply, for a request that does not stream."""
         reply = Collected()
         async for piece in self.pieces():
-            if piece.kind == "text":
-                reply.text += piece.text
-            elif piece.kind == "reasoning":
-                reply.reasoning += piece.text
-            else:
-                reply.calls.append(piece)
+            reply.add(piece)
         return reply
 
     def result(self) -> Outcome | str:

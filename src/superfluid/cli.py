@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .config import DEFAULT_HTTP, DEFAULT_MAX_BATCH, ServeConfig, default_sessions, default_socket
+from .protocol.schema import qos_class
 
 DESCRIPTION = """\
 superfluid serves a local LLM whose conversations outlive crashes and restarts, fork
@@ -67,6 +68,13 @@ def _fim_tokens(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(f"give three token ids, prefix,suffix,middle (such as 1,3,2), not {text}")
     prefix, suffix, middle = (int(p) for p in parts)
     return prefix, suffix, middle
+
+
+def _qos(text: str) -> int:
+    try:
+        return qos_class(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _context(text: str) -> int | None:
@@ -137,6 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-http", action="store_true", help="serve the session API only (socket, and --web if given)")
     serve.add_argument(
         "--no-tui", action="store_true", help="no terminal monitor; superfluid has none yet, and logs to stderr"
+    )
+    serve.add_argument(
+        "--http-default-qos",
+        type=_qos,
+        default="agent",
+        metavar="CLASS",
+        help="scheduling class of HTTP requests that name none in x-superfluid-qos: interactive, completion, "
+        "agent or background (default: agent)",
+    )
+    serve.add_argument(
+        "--no-http-qos-header",
+        action="store_true",
+        help="ignore x-superfluid-qos: every HTTP request runs in --http-default-qos (any client could claim "
+        "interactive otherwise)",
+    )
+    serve.add_argument(
+        "--http-allow-batch-invariant",
+        action="store_true",
+        help="grant x-superfluid-batch-invariant (a lane that runs alone: one client can then slow every other)",
     )
     serve.add_argument(
         "--web",
@@ -232,6 +259,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         offline=args.offline,
         fim_tokens=args.fim_tokens,
         log_filter="debug" if args.verbose else args.log_filter,
+        http_default_qos=args.http_default_qos,
+        http_qos_header=not args.no_http_qos_header,
+        http_allow_batch_invariant=args.http_allow_batch_invariant,
     )
     if args.sessions is not None:
         config.sessions = args.sessions.expanduser()

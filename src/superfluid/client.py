@@ -62,9 +62,9 @@ class SocketClient:
         self.send(request)
         return self.receive()
 
-    def generate(self, session: int, max_tokens: int) -> Iterator[Any]:
-        """Every reply of a Generate: `Delta`s, then `Generated` (or `Err`)."""
-        self.send(Request.Generate(session, max_tokens))
+    def generate(self, session: int, max_tokens: int, *, ignore_eos: bool = False) -> Iterator[Any]:
+        """Every reply of a Generate: `Delta`s, then `Generated` (or `Err`); `ignore_eos` runs to `max_tokens`."""
+        self.send(Request.Generate(session, max_tokens, ignore_eos or None))
         while True:
             reply = self.receive()
             yield reply

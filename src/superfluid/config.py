@@ -57,3 +57,6 @@ class ServeConfig:
     fim_tokens: tuple[int, int, int] | None = None
     tick_ms: float = 50.0
     host_cache_mb: int = field(default_factory=lambda: default_host_cache_mb())
+    http_default_qos: int = 2  # agent
+    http_qos_header: bool = True
+    http_allow_batch_invariant: bool = False

@@ -273,14 +273,16 @@ class Daemon:
             self.store.commit([(session, B.Created(req.parent, req.params))])
         return Response.Created(session)
 
-    def open_chat(self, params: GenParams, prompt: list[int], opener: list[int], qos: int) -> int:
+    def open_chat(
+        self, params: GenParams, prompt: list[int], opener: list[int], qos: int, batch_invariant: bool = False
+    ) -> int:
         """A fresh session holding a whole rendered conversation, ready to generate (the HTTP APIs)."""
         _check_params(params)
         with self.store.lock:
             session = self.store.reserve_id()
             writes: list[tuple[int, EventBody]] = [(session, B.Created(None, params))]
-            if qos != QOS_AGENT:
-                writes.append((session, B.QosSet(qos, False)))
+            if qos != QOS_AGENT or batch_invariant:
+                writes.append((session, B.QosSet(qos, batch_invariant)))
             writes.append((session, B.Appended(None, prompt)))
             if opener:
                 writes.append((session, B.GenerationPrompt(opener)))
@@ -553,6 +555,7 @@ class Daemon:
                 listener=listener,
                 provisional=provisional,
                 publisher=self.bus,
+                ignore_eos=bool(req.ignore_eos),
             )
             job = run.job
             job.grammar = constraint

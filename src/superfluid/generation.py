@@ -90,9 +90,12 @@ class GenerationRun:
         listener: Listener,
         provisional: bool,
         publisher: Publisher,
+        ignore_eos: bool = False,
     ) -> None:
         self.session = session
-        self.job = Job(tokens, params, max_tokens, sink=self, qos=qos, batch_invariant=batch_invariant)
+        self.job = Job(
+            tokens, params, max_tokens, sink=self, qos=qos, batch_invariant=batch_invariant, ignore_eos=ignore_eos
+        )
         self.splitter = splitter
         self.listener = listener
         self.provisional = provisional

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from . import __version__
 from .config import ServeConfig
 from .daemon import Daemon
+from .engine.build import exactness_problems
 from .engine.llama import ContextShape, LlamaContext, LlamaModel
 from .metrics import Metrics
 from .model.resolve import resolve_model
 from .model.template import CHATML, ChatTemplate
 from .scheduler.scheduler import Scheduler
 from .store.sessions import SessionStore
+from .transports.chat_http import HttpPolicy
 from .transports.http import ApiServer
 from .transports.socket import SocketServer
 from .transports.web import WebServer, mint_token
@@ -65,6 +67,13 @@ def load(config: ServeConfig) -> Loaded:
         threads=config.threads,
     )
     context = LlamaContext(model, shape)
+    problems = exactness_problems()
+    if problems:
+        log.warning(
+            "this llama.cpp build lets the batch change a token's logits (%s): cut, resumed and forked greedy "
+            "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
+            "; ".join(problems),
+        )
     return Loaded(model, template, context, window, resolved.name)
 
 
@@ -90,6 +99,12 @@ async def serve(config: ServeConfig) -> int:
         token_path = config.sessions / "web-token"
         web_server = WebServer(daemon, config.web, mint_token(token_path), config.web_origins)
         url = await web_server.start()
+    api_server = None
+    if not config.no_http:
+        policy = HttpPolicy(config.http_default_qos, config.http_qos_header, config.http_allow_batch_invariant)
+        api_server = ApiServer(daemon, config.http, loaded.name, policy)
+        api_url = await api_server.start()
+    # every listener is up before the first line: whoever waits for it can connect at once
     print(
         f"superfluid {__version__}: serving {loaded.name} ({loaded.model.path}) with {config.max_batch} lanes"
         f" of {loaded.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
@@ -97,10 +112,7 @@ async def serve(config: ServeConfig) -> int:
     )
     if web_server is not None:
         print(f"web: {url}/web/ (token in {token_path})", flush=True)
-    api_server = None
-    if not config.no_http:
-        api_server = ApiServer(daemon, config.http, loaded.name)
-        api_url = await api_server.start()
+    if api_server is not None:
         print(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)", flush=True)
         if not api_server.loopback:
             log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)

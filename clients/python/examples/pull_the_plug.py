@@ -105,7 +105,7 @@ def main() -> int:
         shown = ""
         pieces = 0
         killed = False
-        for chunk in story.stream(args.max_tokens):
+        for chunk in story.stream(args.max_tokens, ignore_eos=True):  # the whole length: long enough to cut
             if chunk.kind != "text":
                 continue
             print(chunk.text, end="", flush=True)

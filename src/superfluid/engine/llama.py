@@ -3,8 +3,9 @@ KV memory is split into slots, one per sequence id.
 
 The engine knows token ids, positions and sequence ids, nothing about sessions. Each
 sequence has a KV stream of its own (`kv_unified` off) and attention runs without flash
-attention, so a sequence's logits depend only on its own tokens: batched, chunked and
-solo decodes agree bit for bit, and so do a fork and a re-prefill after a restart.
+attention; with llama.cpp built as `build.py` checks, a sequence's logits then depend only
+on its own tokens: batched, chunked and solo decodes agree bit for bit, and so do a fork,
+an import from host memory and a re-prefill after a restart.
 A fork copies its source's stream (a memory copy inside llama.cpp, milliseconds)
 instead of recomputing it. Every call into llama.cpp is a ctypes call, which releases
 the GIL while it runs.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,14 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from . import build  # noqa: F401  (imported for its effect: llama.cpp's batch-dependent kernels off)
+
 log = logging.getLogger("superfluid.engine")
+
+# Testing aid: a seed here adds a fixed offset to each token's logit, so greedy text comes
+# out as different as it would on another CPU, while everything that holds on every machine
+# (the same request twice, a continuation equal to the uncut run, a forced length) still holds.
+SKEW_ENV = "SUPERFLUID_TEST_LOGIT_SKEW"
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -142,6 +151,14 @@ class LlamaModel:
             self._model = None
 
 
+def logit_skew(n_vocab: int) -> np.ndarray | None:
+    """The per-token offsets `SUPERFLUID_TEST_LOGIT_SKEW` asks for, or None."""
+    seed = os.environ.get(SKEW_ENV, "").strip()
+    if not seed:
+        return None
+    return np.random.default_rng(int(seed)).normal(0.0, 0.5, n_vocab).astype(np.float32)
+
+
 @dataclass(frozen=True)
 class ContextShape:
     """How a context is sized: tokens per sequence slot, slots, batch size, threads."""
@@ -183,6 +200,10 @@ class LlamaContext:
             )
         self._mem = L.llama_get_memory(self._ctx)
         self.n_vocab = model.n_vocab
+        self.skew = logit_skew(model.n_vocab)
+        # llama.cpp copies a stream's buffer at the start of the next decode: until then
+        # neither end of the copy may be exported or overwritten
+        self._copying: set[int] = set()
         size = shape.batch
         self._tokens = np.zeros(size, dtype=np.int32)
         self._pos = np.zeros(size, dtype=np.int32)
@@ -216,6 +237,8 @@ class LlamaContext:
         self._logits[:n] = want
         self._batch.n_tokens = n
         status = L.llama_decode(self._ctx, self._batch)
+        if status in (0, 1):  # the decode ran its pending copies before it looked for room
+            self._copying.clear()
         if status == 1:
             raise KVFull("no room in the KV pool for this batch")
         if status != 0:
@@ -224,12 +247,26 @@ class LlamaContext:
         if rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         pointer = L.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+        logits = np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+        if self.skew is not None:
+            logits += self.skew
+        return logits
 
     def copy(self, source: int, target: int, length: int) -> None:
-        """Make `target` hold `source`'s positions [0, length); the copy runs at the next decode."""
+        """Make `target` hold `source`'s positions [0, length); the copy runs at the next decode,
+        and until then neither slot may be exported or restored (see `copy_pending`)."""
         L.llama_memory_seq_cp(self._mem, source, target, -1, -1)
+        self._copying.update((source, target))
         self.truncate(target, length)
+
+    @property
+    def copy_pending(self) -> bool:
+        """True between a `copy` and the decode that carries it out."""
+        return bool(self._copying)
+
+    def _settled(self, seq: int, what: str) -> None:
+        if seq in self._copying:
+            raise EngineError(f"slot {seq} cannot be {what} before the copy it takes part in has run")
 
     def truncate(self, seq: int, length: int) -> None:
         """Drop `seq`'s positions from `length` on (0 drops the whole sequence)."""
@@ -242,6 +279,7 @@ class LlamaContext:
 
     def export(self, seq: int) -> bytes:
         """The KV state of `seq`, to keep in host memory."""
+        self._settled(seq, "exported")
         size = L.llama_state_seq_get_size(self._ctx, seq)
         data = bytearray(size)
         written = L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
@@ -249,6 +287,7 @@ class LlamaContext:
 
     def restore(self, seq: int, data: bytes) -> None:
         """Load a state from `export` into `seq` (which must be empty)."""
+        self._settled(seq, "restored")
         buf = (ctypes.c_uint8 * len(data)).from_buffer(bytearray(data))
         if L.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
             raise KVFull("no room in the KV pool to restore a cached prefix")

@@ -38,7 +38,8 @@ def type_name(shape: Any) -> str:
     if kind is VecShape:
         return f"Vec<{type_name(shape.item)}>"
     if kind is OptionShape:
-        return f"Option<{type_name(shape.inner)}>"
+        written = f"Option<{type_name(shape.inner)}>"
+        return f"{written}, may be left off the end" if shape.trailing else written
     if kind is TupleShape:
         return "(" + ", ".join(type_name(item) for item in shape.items) + ")"
     return shape.cls.__name__

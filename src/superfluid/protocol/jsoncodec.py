@@ -81,7 +81,11 @@ def _out(value: Any, shape: Any) -> Any:
     if kind is OptionShape:
         return None if value is None else _out(value, shape.inner)
     if kind is StructShape:
-        return {f.wire: _out(getattr(value, f.attr), f.shape) for f in shape.fields}
+        return {
+            f.wire: _out(getattr(value, f.attr), f.shape)
+            for f in shape.fields
+            if not (getattr(value, f.attr) is None and type(f.shape) is OptionShape and f.shape.trailing)
+        }
     if kind is EnumShape:
         _, index, name = variant_of(value)
         variant = shape.variants[index]

@@ -93,6 +93,8 @@ def _encode(out: bytearray, value: Any, shape: Any) -> None:
             for element in value:
                 _encode(out, element, item)
     elif kind is OptionShape:
+        if value is None and shape.trailing:
+            return  # a trailing option that is unset stays off the wire, as an older peer writes it
         if value is None:
             out.append(0)
         else:

@@ -33,6 +33,27 @@ LEDGER_CANCELLED, LEDGER_EXPIRED, LEDGER_CANCELLED_WITH_LATE_EFFECT = 4, 5, 6
 
 QOS_INTERACTIVE, QOS_COMPLETION, QOS_AGENT, QOS_BACKGROUND = 0, 1, 2, 3
 QOS_NAMES = {0: "interactive", 1: "completion", 2: "agent", 3: "background"}
+# every name a class goes by (`_` spellings too): the HTTP header, --http-default-qos, key policies
+QOS_ALIASES = {
+    "interactive": 0,
+    "interactive-chat": 0,
+    "completion": 1,
+    "inline-completion": 1,
+    "agent": 2,
+    "foreground": 2,
+    "foreground-agent": 2,
+    "background": 3,
+    "background-agent": 3,
+}
+
+
+def qos_class(name: str) -> int:
+    """The class a QoS name stands for; ValueError naming the accepted ones otherwise."""
+    found = QOS_ALIASES.get(name.strip().lower().replace("_", "-"))
+    if found is None:
+        raise ValueError(f"unknown QoS class {name!r}: use interactive, completion, agent or background")
+    return found
+
 
 FIM_PSM, FIM_SPM = 0, 1
 
@@ -343,10 +364,15 @@ class Request(Enum):
         text: str
 
     class Generate(Struct):
-        """Generate the next turn (or continue a cut one)."""
+        """Generate the next turn (or continue a cut one).
+
+        `ignore_eos` (an extension, left off the wire when unset) bans end-of-generation
+        tokens, so the generation runs to `max_tokens` unless a grammar ends it.
+        """
 
         session: U64
         max_tokens: U32
+        ignore_eos: Annotated[bool | None, TrailingOptional()] = None
 
     class Read(Struct):
         """The events from `cursor` on."""

@@ -17,6 +17,11 @@ in one transaction.
   While such a job prefills, no lower-class prefill runs beside it. Each step's prefill
   is sized from the measured cost of a token to last about `STEP_TARGET_S`, so an
   arrival never waits long for the step in flight.
+- A short job (little prompt left to prefill) never waits for long prefills: when every
+  lane is busy it takes the lane of one that still has a long prompt ahead of it, in its
+  own class or below, which is preempted like any other (its KV kept). Within a step,
+  prefill goes to the shortest remaining prompts of the best class first.
+- A tick ends as soon as a job has its first token, so it is committed and shown at once.
 - `batch_invariant` lanes run alone. `background_divisor` N lets class 2 and 3 lanes
   run only every N-th step.
 """
@@ -55,8 +60,10 @@ log = logging.getLogger("superfluid.scheduler")
 QOS_CLASSES = 4
 STARVATION_STEPS = 64
 HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this long is worth waiting for
+SHORT_PREFILL = 256  # a job with at most this much prompt left to prefill is short: it never waits for long ones
+LONG_PREFILL = 1024  # a lane with more than this left to prefill gives its lane to a short job
 EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
-MIN_COPY_TOKENS = 32  # a slot copy costs about as much as prefilling this many tokens
+MIN_COPY_TOKENS = 8  # a slot copy (7-25 ms, by window) costs about as much as prefilling this many tokens
 BUSY_TICK_S = 0.25  # tick length while every lane is busy
 STEP_TARGET_S = 0.25  # a step's work: what an interactive arrival may have to wait for
 MIN_PREFILL = 16
@@ -89,6 +96,7 @@ class Job:
     qos: int = QOS_AGENT
     batch_invariant: bool = False
     prefill_only: bool = False
+    ignore_eos: bool = False  # end-of-generation tokens are never drawn: the job runs to max_tokens
     grammar: Grammar | None = None
     cancelled: bool = False
     warm_prefix: int = 0
@@ -269,7 +277,7 @@ class Scheduler:
             if self._waits_for_prefix(job):
                 held.add(id(job))
                 continue
-            if len(self.lanes) >= self.max_lanes and not self._preempt_for(job):
+            if len(self.lanes) >= self.max_lanes and not (self._preempt_for(job) or self._yield_to_short(job)):
                 break
             if any(lane.job.batch_invariant for lane in self.lanes) and job.qos >= self._invariant_class():
                 break  # nothing at or below a batch-invariant lane's class joins it
@@ -279,6 +287,8 @@ class Scheduler:
                 self.lanes.append(self._seed(job))
             except EngineError as e:
                 self._finish(job, FINISH_ERROR, f"generation failed: {e}")
+            if self.context.copy_pending:
+                break  # the copy runs at the next decode; later admissions may move its slots
         with self._cv:
             depth = [0] * QOS_CLASSES
             for job in self._queue:
@@ -312,6 +322,24 @@ class Scheduler:
             return False
         lane = max(candidates, key=lambda lane: (lane.job.qos, lane.decoding, lane.admitted))
         self._preempt(lane)
+        return True
+
+    def _yield_to_short(self, job: Job) -> bool:
+        """Free a lane for a short job: the lane with the most prompt left, in the job's class or below."""
+        klass = self._class_now(job)
+        candidates = [
+            lane
+            for lane in self.lanes
+            if lane.job.qos >= klass and not lane.job.batch_invariant and len(lane.feed) > LONG_PREFILL
+        ]
+        if not candidates:
+            return False
+        tokens = np.asarray(job.tokens, dtype=np.int32)
+        running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
+        seed = self.cache.lookup(tokens, running, self.now_ms())
+        if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
+            return False
+        self._preempt(max(candidates, key=lambda lane: len(lane.feed)))
         return True
 
     def _preempt(self, lane: Lane) -> None:
@@ -425,7 +453,7 @@ class Scheduler:
     # ---- a step ----
 
     def _step(self) -> bool:
-        """One decode over every lane that runs this step; returns True when a job ended."""
+        """One decode over every lane that runs this step; returns True when the tick should end."""
         finished = self._retire_prefilled()
         plan = self._plan()
         if not plan:
@@ -507,10 +535,12 @@ class Scheduler:
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
     def _advance(self, lane: Lane, logits: np.ndarray) -> bool:
-        """Sample the lane's next token; returns True when its job is over."""
+        """Sample the lane's next token; returns True when the tick should end (its job is over, or began)."""
         job = lane.job
         position = len(lane.held)
         grammar = job.grammar
+        if job.ignore_eos and grammar is None:  # a grammar decides for itself when it is complete
+            logits[self.context.model.end_of_generation] = -np.inf
         if grammar is None:
             token = sample(logits, job.params, position)
         else:
@@ -529,7 +559,7 @@ class Scheduler:
             self._retire(lane, FINISH_LENGTH)
             return True
         lane.feed = [token]
-        return False
+        return job.generated == 1  # a first token ends the tick: it is committed and shown at once
 
     def _shed(self, plan: list[tuple[Lane, list[int], int]]) -> bool:
         """No room for the batch and nothing to evict: fail the lane with the most prompt left."""

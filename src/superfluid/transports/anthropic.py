@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome
+from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from .openai import Body, sampling, text_of
+from .chat_http import HttpPolicy, collect, scheduling
+from .openai import GONE, Body, sampling, text_of
 
 _ids = itertools.count(1)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -39,6 +41,7 @@ class MessagesRequest(Body):
     top_p: float | None = None
     top_k: int | None = None
     stop_sequences: list[str] | None = None
+    ignore_eos: bool = False  # an extension: decode to max_tokens
 
 
 def error(message: str, status: int = 400, kind: str = "invalid_request_error") -> Response:
@@ -98,42 +101,36 @@ def stop_reason(outcome: Outcome) -> str:
     return "stop_sequence" if outcome.stopped_by else STOP_REASONS.get(outcome.finish, "end_turn")
 
 
-def router(daemon: Daemon, model_name: str) -> APIRouter:
+def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/messages")
-    async def messages(body: MessagesRequest) -> Response:
+    async def messages(body: MessagesRequest, http: Request) -> Response:
         try:
+            qos, invariant = scheduling(http, policy)
             request = ChatRequest(
                 messages=chat_messages(body.system, body.messages),
                 params=sampling(body.temperature, body.top_p, body.top_k, None, None),
                 max_tokens=body.max_tokens,
                 tools=normalize_tools(body.tools or []),
                 stop=list(body.stop_sequences or []),
+                ignore_eos=body.ignore_eos,
+                qos=qos,
+                batch_invariant=invariant,
             )
             run = ChatRun(daemon, request)
-        except (ChatError, ToolDeclarationError) as e:
+        except ChatError as e:
+            return error(str(e), e.status, "permission_error" if e.status == 403 else "invalid_request_error")
+        except ToolDeclarationError as e:
             return error(str(e))
         reply_id = f"msg_superfluid_{next(_ids)}"
         name = body.model or model_name
         if body.stream:
             return StreamingResponse(_stream(run, reply_id, name), media_type="text/event-stream")
-        blocks: list[dict[str, Any]] = []
-        async for piece in run.pieces():
-            kind = {"text": "text", "reasoning": "thinking"}.get(piece.kind, "tool_use")
-            if kind == "tool_use":
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": _tool_id(piece.call_id),
-                        "name": piece.name,
-                        "input": json.loads(piece.arguments),
-                    }
-                )
-            elif blocks and blocks[-1]["type"] == kind:
-                blocks[-1][kind] += piece.text
-            else:
-                blocks.append({"type": kind, kind: piece.text, **({"signature": ""} if kind == "thinking" else {})})
+        reply = await collect(run, http)
+        if reply is None:
+            return error("the client closed the connection", GONE)
+        blocks = [_block(piece) for piece in reply.pieces]
         outcome = run.result()
         if isinstance(outcome, str):
             return error(outcome, 500, "api_error")
@@ -151,6 +148,20 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         )
 
     return api
+
+
+def _block(piece: Piece) -> dict[str, Any]:
+    """One content block of a whole reply."""
+    if piece.kind == "tool_call":
+        return {
+            "type": "tool_use",
+            "id": _tool_id(piece.call_id),
+            "name": piece.name,
+            "input": json.loads(piece.arguments),
+        }
+    if piece.kind == "reasoning":
+        return {"type": "thinking", "thinking": piece.text, "signature": ""}
+    return {"type": "text", "text": piece.text}
 
 
 def _tool_id(call_id: str) -> str:

@@ -15,15 +15,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from .openai import Body, sampling
+from .chat_http import HttpPolicy, collect, scheduling
+from .openai import GONE, Body, sampling
 
-OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx"}
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
 
 
 class ChatBody(Body):
@@ -58,7 +60,13 @@ def _now() -> str:
 
 
 def _request(
-    daemon: Daemon, messages: list[dict[str, Any]], options: dict[str, Any] | None, fmt: Any, **kw: Any
+    daemon: Daemon,
+    http: Request,
+    policy: HttpPolicy,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any] | None,
+    fmt: Any,
+    **kw: Any,
 ) -> ChatRequest:
     options = dict(options or {})
     unknown = sorted(set(options) - OPTIONS)
@@ -66,6 +74,7 @@ def _request(
         raise ChatError(f"unsupported option: {unknown[0]}")
     if options.get("num_ctx") not in (None, daemon.window):
         raise ChatError(f"num_ctx must be the server's window, {daemon.window}; start superfluid with --max-context")
+    qos, invariant = scheduling(http, policy)
     seed = options.get("seed")
     predict = options.get("num_predict")
     stop = options.get("stop") or []
@@ -81,11 +90,14 @@ def _request(
         max_tokens=predict if predict and predict > 0 else None,
         stop=[stop] if isinstance(stop, str) else list(stop),
         json_schema=True if fmt == "json" else (fmt or None),
+        ignore_eos=bool(options.get("ignore_eos")),
+        qos=qos,
+        batch_invariant=invariant,
         **kw,
     )
 
 
-def router(daemon: Daemon, model_name: str) -> APIRouter:
+def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
     tag = model_name if ":" in model_name.split("/")[-1] else f"{model_name}:latest"
     digest = hashlib.sha256(model_name.encode()).hexdigest()
@@ -131,7 +143,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         }
 
     @api.post("/api/chat")
-    async def chat(body: ChatBody) -> Response:
+    async def chat(body: ChatBody, http: Request) -> Response:
         try:
             messages = []
             for m in body.messages:
@@ -142,31 +154,36 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
                     converted["tool_calls"] = m["tool_calls"]
                 messages.append(converted)
             run = ChatRun(
-                daemon, _request(daemon, messages, body.options, body.format, tools=normalize_tools(body.tools or []))
+                daemon,
+                _request(
+                    daemon, http, policy, messages, body.options, body.format, tools=normalize_tools(body.tools or [])
+                ),
             )
-        except (ChatError, ToolDeclarationError) as e:
+        except ChatError as e:
+            return error(str(e), e.status)
+        except ToolDeclarationError as e:
             return error(str(e))
         name = body.model or tag
-        return await _respond(run, name, body.stream, chat=True)
+        return await _respond(run, http, name, body.stream, chat=True)
 
     @api.post("/api/generate")
-    async def generate(body: GenerateBody) -> Response:
+    async def generate(body: GenerateBody, http: Request) -> Response:
         if not body.prompt:
             return JSONResponse(
                 {"model": body.model or tag, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
             )
         try:
             if body.raw:
-                request = _request(daemon, [], body.options, body.format, prompt=body.prompt)
+                request = _request(daemon, http, policy, [], body.options, body.format, prompt=body.prompt)
             else:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                     {"role": "user", "content": body.prompt}
                 ]
-                request = _request(daemon, messages, body.options, body.format)
+                request = _request(daemon, http, policy, messages, body.options, body.format)
             run = ChatRun(daemon, request)
         except ChatError as e:
-            return error(str(e))
-        return await _respond(run, body.model or tag, body.stream, chat=False)
+            return error(str(e), e.status)
+        return await _respond(run, http, body.model or tag, body.stream, chat=False)
 
     return api
 
@@ -202,11 +219,13 @@ def _final(outcome: Outcome, name: str, chat: bool, started: float) -> dict[str,
     return final
 
 
-async def _respond(run: ChatRun, name: str, stream: bool, chat: bool) -> Response:
+async def _respond(run: ChatRun, http: Request, name: str, stream: bool, chat: bool) -> Response:
     started = time.monotonic()
     if stream:
         return StreamingResponse(_lines(run, name, chat, started), media_type="application/x-ndjson")
-    reply = await run.collect()
+    reply = await collect(run, http)
+    if reply is None:
+        return error("the client closed the connection", GONE)
     outcome = run.result()
     if isinstance(outcome, str):
         return error(outcome, 500)

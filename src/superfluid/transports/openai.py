@@ -17,12 +17,14 @@ from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, seed_for
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
+from .chat_http import HttpPolicy, collect, scheduling
 
 _ids = itertools.count(1)
 
@@ -44,6 +46,7 @@ class SampledBody(Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    ignore_eos: bool = False
 
     def params(self) -> GenParams:
         return sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
@@ -71,6 +74,9 @@ class CompletionRequest(SampledBody):
 
 def error(message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None) -> Response:
     return JSONResponse({"error": {"message": message, "type": code, "param": param, "code": code}}, status_code=status)
+
+
+GONE = 499  # the client closed its connection before the reply: nobody reads this status
 
 
 def sampling(
@@ -131,7 +137,7 @@ def usage(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def router(daemon: Daemon, model_name: str) -> APIRouter:
+def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
 
     def model_entry() -> dict[str, Any]:
@@ -152,7 +158,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         return JSONResponse(model_entry())
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         if body.n != 1:
             return error("n must be 1: superfluid answers with one choice", param="n")
         try:
@@ -165,6 +171,7 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
                 schema = (body.response_format.get("json_schema") or {}).get("schema")
                 if schema is None:
                     return error("response_format json_schema needs a schema", param="response_format")
+            qos, invariant = scheduling(http, policy)
             request = ChatRequest(
                 messages=chat_messages(body.messages),
                 params=body.params(),
@@ -173,6 +180,9 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
                 tool_choice=choice,
                 stop=_stops(body.stop),
                 json_schema=schema,
+                ignore_eos=body.ignore_eos,
+                qos=qos,
+                batch_invariant=invariant,
             )
             run = ChatRun(daemon, request)
         except ToolDeclarationError as e:
@@ -183,19 +193,23 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         name = body.model or model_name
         if body.stream:
             return StreamingResponse(_chat_stream(run, reply_id, name), media_type="text/event-stream")
-        return await _chat_reply(run, reply_id, name)
+        return await _chat_reply(run, http, reply_id, name)
 
     @api.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
         if body.suffix:
             return error("fill-in-the-middle with suffix is served by the session API's Complete", param="suffix")
         try:
+            qos, invariant = scheduling(http, policy)
             request = ChatRequest(
                 messages=[],
                 prompt=body.prompt,
                 params=body.params(),
                 max_tokens=body.max_tokens,
                 stop=_stops(body.stop),
+                ignore_eos=body.ignore_eos,
+                qos=qos,
+                batch_invariant=invariant,
             )
             run = ChatRun(daemon, request)
         except ChatError as e:
@@ -204,18 +218,22 @@ def router(daemon: Daemon, model_name: str) -> APIRouter:
         name = body.model or model_name
         if body.stream:
             return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
-        text = (await run.collect()).text
+        reply = await collect(run, http)
+        if reply is None:
+            return error("the client closed the connection", GONE, "client_closed")
         outcome = run.result()
         if isinstance(outcome, str):
             return error(outcome, 500, "server_error")
-        choice = {"index": 0, "text": text, "finish_reason": outcome.finish, "logprobs": None}
+        choice = {"index": 0, "text": reply.text, "finish_reason": outcome.finish, "logprobs": None}
         return JSONResponse(_reply(reply_id, "text_completion", name, choice, outcome))
 
     return api
 
 
-async def _chat_reply(run: ChatRun, reply_id: str, name: str) -> Response:
-    reply = await run.collect()
+async def _chat_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:
+    reply = await collect(run, http)
+    if reply is None:
+        return error("the client closed the connection", GONE, "client_closed")
     outcome = run.result()
     if isinstance(outcome, str):
         return error(outcome, 500, "server_error")

@@ -55,13 +55,15 @@ STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (
 class StreamRequest(Struct):
     """The body of POST /web/stream.
 
-    Beyond the protocol's three fields the body may carry one constraint: `grammar` (GBNF
-    text), `json_schema` (an object) or `tool` (a tool declaration the reply must call).
+    Beyond the protocol's three fields the body may carry `ignore_eos` (decode to
+    `max_tokens`) and one constraint: `grammar` (GBNF text), `json_schema` (an object) or
+    `tool` (a tool declaration the reply must call).
     """
 
     session: U64
     max_tokens: U32
     provisional: bool | None
+    ignore_eos: bool | None = None
 
 
 def parse_web_address(address: str) -> tuple[str, int]:
@@ -252,7 +254,7 @@ def _reply(reply: Any) -> Response:
 async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> AsyncIterator[str]:
     """One generation as SSE frames; the client going away cancels it."""
     try:
-        generate = Request.Generate(ask.session, ask.max_tokens)
+        generate = Request.Generate(ask.session, ask.max_tokens, ask.ignore_eos)
         generation = daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
     except DaemonError as e:
         yield _frame({"error": str(e)})

@@ -362,12 +362,35 @@ class Session:
 
     # ---- generating ----
 
-    def stream(self, max_tokens: int = 1024, *, provisional: bool = True) -> Stream:
-        """The next turn, chunk by chunk; leaving the loop early cancels the generation."""
-        return Stream(self, max_tokens, provisional)
+    def stream(
+        self,
+        max_tokens: int = 1024,
+        *,
+        provisional: bool = True,
+        ignore_eos: bool = False,
+        grammar: str | None = None,
+    ) -> Stream:
+        """The next turn, chunk by chunk; leaving the loop early cancels the generation.
 
-    def generate(self, max_tokens: int = 1024, *, on_text: Callable[[Chunk], None] | None = None) -> Reply:
-        stream = self.stream(max_tokens, provisional=on_text is not None)
+        `ignore_eos` decodes to `max_tokens`; `grammar` (GBNF with a `root` rule) constrains
+        every token, and the turn ends (finish "grammar") when it is complete.
+        """
+        extra: dict[str, Any] = {}
+        if ignore_eos:
+            extra["ignore_eos"] = True
+        if grammar is not None:
+            extra["grammar"] = grammar
+        return Stream(self, max_tokens, provisional, extra)
+
+    def generate(
+        self,
+        max_tokens: int = 1024,
+        *,
+        on_text: Callable[[Chunk], None] | None = None,
+        ignore_eos: bool = False,
+        grammar: str | None = None,
+    ) -> Reply:
+        stream = self.stream(max_tokens, provisional=on_text is not None, ignore_eos=ignore_eos, grammar=grammar)
         for chunk in stream:
             if on_text is not None:
                 on_text(chunk)
@@ -473,11 +496,13 @@ class Stream:
     stream) cancels the generation on a second connection and waits for its summary.
     """
 
-    def __init__(self, session: Session, max_tokens: int, provisional: bool) -> None:
+    def __init__(
+        self, session: Session, max_tokens: int, provisional: bool, extra: dict[str, Any] | None = None
+    ) -> None:
         self.session = session
         self._outcome = _Outcome()
         # the generator holds the outcome, not the stream: dropping the stream closes it
-        self._chunks = _stream(session, max_tokens, provisional, self._outcome)
+        self._chunks = _stream(session, max_tokens, provisional, self._outcome, extra or {})
 
     @property
     def reply(self) -> Reply | None:
@@ -508,8 +533,10 @@ def _frames(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield json.loads(data)
 
 
-def _stream(session: Session, max_tokens: int, provisional: bool, outcome: _Outcome) -> Iterator[Chunk]:
-    body = {"session": session.id, "max_tokens": max_tokens, "provisional": provisional}
+def _stream(
+    session: Session, max_tokens: int, provisional: bool, outcome: _Outcome, extra: dict[str, Any]
+) -> Iterator[Chunk]:
+    body = {"session": session.id, "max_tokens": max_tokens, "provisional": provisional, **extra}
     connection, response = session.client._post("/web/stream", body)
     frames = _frames(response)
     committed: list[Event] = []

@@ -1,0 +1,238 @@
+"""Where llama.cpp's arithmetic depends on how a token reached it.
+
+    .venv/bin/python bench/exactness.py              # every path, 4 prompts, 200 tokens each
+    .venv/bin/python bench/exactness.py --tokens 64  # shorter
+
+A greedy run is computed once the way a lone lane computes it (the prompt prefilled in one
+chunk, then one decode step per token), and its logits kept. Then the same tokens are fed
+again along each path the scheduler can take (a bulk re-prefill after a restart, the last
+prompt token decoded alone, small prefill chunks, seven other lanes in the batch, a KV copied
+from another slot, a state exported to host memory and imported again) and every step's
+logits are compared bit for bit with the reference. For each path it prints the first
+position whose logits differ in any bit, or that all of them are identical.
+
+A path that differs breaks the promise that a cut, resumed, forked or crash-replayed greedy
+run equals the uncut one. The library's build flags come first in the output (llama.cpp's
+system info), since they decide which kernels run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import llama_cpp as L
+import numpy as np
+
+from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+from superfluid.model.resolve import embedded_model
+
+PROMPTS = (
+    "List the planets and describe each one at length.",
+    "Write a long story about a lighthouse keeper and a storm.",
+    "Explain in detail how a bicycle gear works.",
+    "Describe a day in a busy city market.",
+)
+OTHERS = 7  # lanes sharing the batch in the "batched" path
+BATCH = 512
+
+
+@dataclass
+class Divergence:
+    """The first position (counted from the end of the prompt) whose logits differ; None when none do."""
+
+    path: str
+    prompt: int
+    first: int | None
+    compared: int
+
+
+class Probe:
+    """One context with room for a lane, its copies and seven neighbours."""
+
+    def __init__(self, model: LlamaModel, window: int, threads: int) -> None:
+        self.model = model
+        self.context = LlamaContext(model, ContextShape(window, OTHERS + 3, BATCH, threads))
+
+    def clear(self) -> None:
+        for seq in range(self.context.shape.sequences):
+            self.context.truncate(seq, 0)
+
+    def feed(self, seq: int, tokens: list[int], start: int, chunk: int = BATCH) -> np.ndarray:
+        """Prefill `tokens` at `start` in chunks of `chunk`; the logits of the last one."""
+        last = None
+        for at in range(0, len(tokens), chunk):
+            part = tokens[at : at + chunk]
+            want = np.zeros(len(part), dtype=np.int8)
+            want[-1] = at + len(part) == len(tokens)
+            rows = self.context.decode(
+                np.asarray(part, dtype=np.int32),
+                np.arange(start + at, start + at + len(part), dtype=np.int32),
+                np.full(len(part), seq, dtype=np.int32),
+                want,
+            )
+            if len(rows):
+                last = rows[-1].copy()
+        assert last is not None
+        return last
+
+    def step(self, seq: int, token: int, position: int) -> np.ndarray:
+        one = np.ones(1, dtype=np.int32)
+        return self.context.decode(one * token, one * position, one * seq, np.ones(1, dtype=np.int8))[0].copy()
+
+    def decode_from(self, seq: int, tokens: list[int], start: int, first: np.ndarray) -> list[np.ndarray]:
+        """Logits after each of `tokens` decoded one per step from `start`, `first` being the ones before."""
+        out = [first]
+        for i, token in enumerate(tokens[:-1]):
+            out.append(self.step(seq, token, start + i))
+        return out
+
+
+def reference(probe: Probe, prompt: list[int], tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """A lone greedy lane: the prompt in one chunk, then one step per token."""
+    probe.clear()
+    logits = [probe.feed(0, prompt, 0)]
+    generated: list[int] = []
+    while len(generated) < tokens:
+        row = logits[-1].copy()
+        row[probe.model.end_of_generation] = -np.inf  # a forced length: every prompt yields `tokens` steps
+        generated.append(int(np.argmax(row)))
+        if len(generated) < tokens:
+            logits.append(probe.step(0, generated[-1], len(prompt) + len(generated) - 1))
+    return generated, logits
+
+
+def _first_difference(expected: list[np.ndarray], got: list[np.ndarray]) -> int | None:
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        if not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+            return i
+    return None
+
+
+Path = Callable[[Probe, list[int], list[int]], list[np.ndarray]]
+
+
+def replayed(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """After a restart: prompt and the first half of the reply prefilled in bulk, then decoded on."""
+    probe.clear()
+    cut = len(out) // 2
+    head = prompt + out[:cut]
+    return [*([None] * cut), *probe.decode_from(0, out[cut:], len(head), probe.feed(0, head, 0))]
+
+
+def last_alone(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """A warm start: all but the last prompt token in one chunk, the last one decoded alone."""
+    probe.clear()
+    probe.feed(0, prompt[:-1], 0)
+    first = probe.step(0, prompt[-1], len(prompt) - 1)
+    return probe.decode_from(0, out, len(prompt), first)
+
+
+def small_chunks(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """The prompt prefilled 7 tokens per step, as a busy scheduler slices it."""
+    probe.clear()
+    return probe.decode_from(0, out, len(prompt), probe.feed(0, prompt, 0, chunk=7))
+
+
+def batched(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """Seven other lanes decode in the same batches (and prefill beside the prompt)."""
+    probe.clear()
+    neighbours = [probe.model.tokenize(f"Neighbour {i} writes about {i * 7} boats.", False) for i in range(OTHERS)]
+    context = probe.context
+    lanes = [(0, prompt)] + [(1 + i, p) for i, p in enumerate(neighbours)]
+    tokens = np.concatenate([np.asarray(p, dtype=np.int32) for _, p in lanes])
+    positions = np.concatenate([np.arange(len(p), dtype=np.int32) for _, p in lanes])
+    seqs = np.concatenate([np.full(len(p), s, dtype=np.int32) for s, p in lanes])
+    want = np.zeros(len(tokens), dtype=np.int8)
+    want[np.cumsum([len(p) for _, p in lanes]) - 1] = 1
+    rows = context.decode(tokens, positions, seqs, want)
+    result = [rows[0].copy()]
+    last = [int(np.argmax(r)) for r in rows[1:]]
+    lengths = [len(p) for _, p in lanes]
+    for i, token in enumerate(out[:-1]):
+        step_tokens = np.asarray([token, *last], dtype=np.int32)
+        step_pos = np.asarray([lengths[0] + i] + [n + i for n in lengths[1:]], dtype=np.int32)
+        rows = context.decode(
+            step_tokens, step_pos, np.arange(OTHERS + 1, dtype=np.int32), np.ones(OTHERS + 1, np.int8)
+        )
+        result.append(rows[0].copy())
+        last = [int(np.argmax(r)) for r in rows[1:]]
+    return result
+
+
+def copied(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """A fork: the prompt's KV copied from another slot, the last prompt token decoded in the copy."""
+    probe.clear()
+    probe.feed(0, prompt, 0)
+    probe.context.copy(0, 1, len(prompt) - 1)
+    first = probe.step(1, prompt[-1], len(prompt) - 1)
+    return probe.decode_from(1, out, len(prompt), first)
+
+
+def imported(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """The host-memory tier: the prompt's state exported, imported into another slot, then decoded on."""
+    probe.clear()
+    probe.feed(0, prompt[:-1], 0)
+    probe.step(0, prompt[-1], len(prompt) - 1)  # the slot as a finished lone lane leaves it
+    state = probe.context.export(0)
+    probe.context.restore(2, state)
+    probe.context.truncate(2, len(prompt) - 1)
+    first = probe.step(2, prompt[-1], len(prompt) - 1)
+    return probe.decode_from(2, out, len(prompt), first)
+
+
+PATHS: dict[str, Path] = {
+    "bulk re-prefill after a restart (prompt + half the reply)": replayed,
+    "last prompt token decoded alone": last_alone,
+    "prompt prefilled in 7-token chunks": small_chunks,
+    "batched with 7 other lanes": batched,
+    "KV copied from another slot": copied,
+    "state exported and imported": imported,
+}
+
+
+def system_info() -> str:
+    return L.llama_print_system_info().decode()
+
+
+def probe_all(model: LlamaModel, prompts: list[str], tokens: int, threads: int) -> list[Divergence]:
+    """Run every path on every prompt; one `Divergence` each."""
+    encoded = [model.tokenize(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n", True) for p in prompts]
+    window = max(len(p) for p in encoded) + tokens + 64
+    probe = Probe(model, window, threads)
+    found = []
+    try:
+        for index, prompt in enumerate(encoded):
+            out, expected = reference(probe, prompt, tokens)
+            for name, path in PATHS.items():
+                got = path(probe, prompt, out)
+                pairs = [(e, g) for e, g in zip(expected, got, strict=True) if g is not None]
+                first = _first_difference([e for e, _ in pairs], [g for _, g in pairs])
+                offset = len(expected) - len(pairs)
+                found.append(Divergence(name, index, None if first is None else first + offset, len(pairs)))
+    finally:
+        probe.context.close()
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=200, help="greedy tokens per prompt (default: 200)")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
+    args = parser.parse_args()
+    print(system_info())
+    model = LlamaModel(embedded_model().path)
+    results = probe_all(model, list(PROMPTS), args.tokens, args.threads)
+    width = max(len(name) for name in PATHS)
+    for name in PATHS:
+        rows = [r for r in results if r.path == name]
+        cells = ["same" if r.first is None else f"#{r.first}" for r in rows]
+        print(f"{name.ljust(width)}  {'  '.join(c.rjust(5) for c in cells)}")
+    print("(per prompt: the first reply position whose logits differ in any bit, or 'same')")
+    return 0 if all(r.first is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""What the OpenAI, Anthropic and Ollama routes share about running a chat over HTTP.
+
+A request's scheduling class comes from its `x-superfluid-qos` header (interactive,
+completion, agent, background), else from `--http-default-qos`; `x-superfluid-batch-invariant`
+asks for a lane that runs alone, which the listener grants only with
+`--http-allow-batch-invariant`. A non-streaming reply is collected while the ASGI receive
+channel is watched: a client that hangs up before its reply is ready gets its generation
+cancelled at the next tick, as a streaming client does when its stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from ..chat import ChatError, ChatRun, Collected
+from ..protocol.schema import QOS_AGENT, qos_class
+
+QOS_HEADER = "x-superfluid-qos"
+INVARIANT_HEADER = "x-superfluid-batch-invariant"
+
+
+@dataclass(frozen=True)
+class HttpPolicy:
+    """How the HTTP listener schedules what it is sent."""
+
+    default_qos: int = QOS_AGENT
+    qos_header: bool = True  # False: every request runs in default_qos, whatever it claims
+    allow_batch_invariant: bool = False
+
+
+def scheduling(request: Request, policy: HttpPolicy) -> tuple[int, bool]:
+    """The (QoS class, batch invariant) a request runs with; ChatError for a header it may not use."""
+    qos = policy.default_qos
+    claimed = request.headers.get(QOS_HEADER)
+    if claimed and policy.qos_header:
+        try:
+            qos = qos_class(claimed)
+        except ValueError as e:
+            raise ChatError(f"{QOS_HEADER}: {e}") from None
+    invariant = request.headers.get(INVARIANT_HEADER, "").strip().lower() in ("1", "true", "yes")
+    if invariant and not policy.allow_batch_invariant:
+        raise ChatError(
+            f"{INVARIANT_HEADER} is refused on this listener; start superfluid with --http-allow-batch-invariant",
+            status=403,
+            code="permission_denied",
+        )
+    return qos, invariant
+
+
+async def _hang_up(request: Request) -> None:
+    """Returns when the client closes its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(run: ChatRun, request: Request) -> Collected | None:
+    """The whole reply of `run`, or None (and the generation cancelled) when the client went away first."""
+    reply = asyncio.ensure_future(run.collect())
+    gone = asyncio.ensure_future(_hang_up(request))
+    try:
+        await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if reply.done():
+        return reply.result()
+    reply.cancel()  # leaving the run's pieces cancels its generation
+    run.cancel()
+    return None

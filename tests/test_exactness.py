@@ -1,0 +1,268 @@
+"""A cut, resumed, forked, batched, preempted or crash-replayed run equals the uncut one, token for token.
+
+These runs are long (200 tokens with end-of-generation banned) over several prompts, so
+somewhere in them two logits sit close enough for a last-bit difference to flip greedy's
+choice: a path that computes a token differently from a lone uncut lane shows up here. The
+references are computed one at a time on fresh sessions (a cold prefill of the prompt, then
+one decode step per token); every other path must reproduce them exactly, on the machine
+the suite runs on (text may differ from CPU to CPU; the equality may not).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProcess, forced, generated_tokens, new_session, say
+
+from superfluid.client import SocketClient
+from superfluid.engine.build import exactness_problems, system_info
+from superfluid.protocol.schema import EventBody, GenParams, Request, Response
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import exactness  # bench/exactness.py: the path-by-path logits probe
+
+PROMPTS = exactness.PROMPTS
+TOKENS = 200
+GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+SAMPLED = GenParams(0.8, 0.95, 0.0, 40, 11)
+# (prompt, params) pairs every path is checked on: four greedy runs and two sampled ones
+RUNS = [(p, GREEDY) for p in PROMPTS] + [(p, SAMPLED) for p in PROMPTS[:2]]
+
+
+def test_the_llama_cpp_library_is_built_for_exactness() -> None:
+    problems = exactness_problems()
+    assert not problems, (
+        f"the loaded llama.cpp lets the batch shape change a token's logits: {problems}; "
+        f"its build: {system_info()}. Rebuild it as the Makefile does: make clean test"
+    )
+
+
+def test_every_engine_path_computes_bit_identical_logits() -> None:
+    from superfluid.engine.llama import LlamaModel
+    from superfluid.model.resolve import embedded_model
+
+    found = exactness.probe_all(LlamaModel(embedded_model().path), list(PROMPTS[:2]), 48, threads=2)
+    differing = [f"{d.path}: prompt {d.prompt} from reply position {d.first}" for d in found if d.first is not None]
+    assert not differing, differing
+
+
+def _same(got: list[int], expected: list[int], what: str) -> None:
+    if got != expected:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
+        )
+        pytest.fail(f"{what}: differs from the uncut run at token {at} of {len(expected)}")
+
+
+def _fresh(client: SocketClient, prompt: str, params: GenParams) -> int:
+    session = new_session(client, params)
+    say(client, session, prompt)
+    return session
+
+
+def _together(daemon: DaemonProcess, jobs: list[Callable[[SocketClient], Any]]) -> list[Any]:
+    """Run each job on its own connection, all at once; their results in order."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(index: int, job: Callable[[SocketClient], Any]) -> None:
+        try:
+            with daemon.client() as client:
+                results[index] = job(client)
+        except BaseException as e:  # re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _tokens(client: SocketClient, session: int, n: int) -> list[int]:
+    return generated_tokens(forced(client, session, n)[0])
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(tmp_path_factory.mktemp("exact"), max_context=2048, max_batch=8).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def references(daemon: DaemonProcess) -> dict[tuple[str, GenParams], list[int]]:
+    """Each run alone on a fresh session, one after another."""
+    with daemon.client() as client:
+        return {(p, params): _tokens(client, _fresh(client, p, params), TOKENS) for p, params in RUNS}
+
+
+def test_cut_by_max_tokens_and_continued(daemon: DaemonProcess, references: dict) -> None:
+    def cut(prompt: str, params: GenParams) -> Callable[[SocketClient], list[int]]:
+        def job(c: SocketClient) -> list[int]:
+            session = _fresh(c, prompt, params)
+            return _tokens(c, session, 70) + _tokens(c, session, TOKENS - 70)
+
+        return job
+
+    for (prompt, params), got in zip(RUNS, _together(daemon, [cut(*run) for run in RUNS]), strict=True):
+        _same(got, references[(prompt, params)], f"cut at 70 and continued ({prompt!r}, T={params.temperature})")
+
+
+def test_cancelled_and_continued(daemon: DaemonProcess, references: dict) -> None:
+    def cancelled(prompt: str, params: GenParams) -> Callable[[SocketClient], list[int]]:
+        def job(c: SocketClient) -> list[int]:
+            session = _fresh(c, prompt, params)
+            c.send(Request.Generate(session, TOKENS, True))
+            replies = [c.receive()]
+            while len(generated_tokens([r.event for r in replies if isinstance(r, Response.Delta)])) < 40:
+                replies.append(c.receive())
+            with daemon.client() as other:
+                assert other.call(Request.Cancel(session)) == Response.Cancelling()
+            while isinstance(replies[-1], Response.Delta):
+                replies.append(c.receive())
+            first = generated_tokens([r.event for r in replies if isinstance(r, Response.Delta)])
+            return first + _tokens(c, session, TOKENS - len(first))
+
+        return job
+
+    for (prompt, params), got in zip(RUNS, _together(daemon, [cancelled(*run) for run in RUNS]), strict=True):
+        _same(got, references[(prompt, params)], f"cancelled and continued ({prompt!r}, T={params.temperature})")
+
+
+def test_two_forks_at_the_same_event(daemon: DaemonProcess, references: dict) -> None:
+    with daemon.client() as c:
+        parents = [_fresh(c, prompt, params) for prompt, params in RUNS]
+        for parent in parents:
+            forced(c, parent, 8)  # the parent's slot now holds the prompt and more: forks start warm
+
+    def fork(parent: int, split: int | None) -> Callable[[SocketClient], list[int]]:
+        def job(c: SocketClient) -> list[int]:
+            child = c.call(Request.Fork(parent, 2, None)).session
+            if split is None:
+                return _tokens(c, child, TOKENS)
+            return _tokens(c, child, split) + _tokens(c, child, TOKENS - split)
+
+        return job
+
+    jobs = [fork(parent, split) for parent in parents for split in (None, 90)]
+    results = _together(daemon, jobs)
+    for i, (prompt, params) in enumerate(RUNS):
+        expected = references[(prompt, params)]
+        _same(results[2 * i], expected, f"a fork generating at once ({prompt!r}, T={params.temperature})")
+        _same(results[2 * i + 1], expected, f"a fork cut at 90 ({prompt!r}, T={params.temperature})")
+
+
+def test_batched_with_seven_others(daemon: DaemonProcess, references: dict) -> None:
+    others = [("Describe the ocean floor.", GREEDY), ("Explain how clocks work.", SAMPLED)]
+    jobs = [lambda c, r=run: _tokens(c, _fresh(c, *r), TOKENS) for run in RUNS + others]
+    results = _together(daemon, jobs)
+    for (prompt, params), got in zip(RUNS, results, strict=False):
+        _same(got, references[(prompt, params)], f"eight lanes in one batch ({prompt!r}, T={params.temperature})")
+
+
+def test_sigkill_and_restart_mid_generation(tmp_path: Path, references: dict) -> None:
+    proc = DaemonProcess(tmp_path, max_context=2048, max_batch=8).start()
+    try:
+        with proc.client() as c:
+            sessions = [_fresh(c, prompt, params) for prompt, params in RUNS]
+        seen = threading.Event()
+
+        def until_killed(session: int) -> Callable[[SocketClient], None]:
+            def job(c: SocketClient) -> None:
+                c.send(Request.Generate(session, TOKENS, True))
+                try:
+                    while isinstance(c.receive(), Response.Delta):
+                        seen.set()
+                except ConnectionError:
+                    pass  # the kill
+
+            return job
+
+        def kill_a_while_after_the_first_token() -> None:
+            seen.wait(120)
+            time.sleep(1.5)
+            proc.kill()
+
+        killer = threading.Thread(target=kill_a_while_after_the_first_token)
+        killer.start()
+        _together(proc, [until_killed(s) for s in sessions])
+        killer.join()
+        proc.start()
+        with proc.client() as c:
+            for session, (prompt, params) in zip(sessions, RUNS, strict=True):
+                events = c.call(Request.Read(session, 0)).events
+                before = generated_tokens([e for e in events if isinstance(e.body, EventBody.Generated)])
+                assert 0 < len(before) < TOKENS, "the kill came mid-generation"
+                got = before + _tokens(c, session, TOKENS - len(before))
+                _same(got, references[(prompt, params)], f"killed after {len(before)} tokens and resumed ({prompt!r})")
+    finally:
+        proc.stop()
+
+
+def _metric(client: SocketClient, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", client.call(Request.Metrics()).text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_preempted_by_an_interactive_chat_and_resumed(tmp_path: Path, references: dict) -> None:
+    proc = DaemonProcess(tmp_path, max_context=2048, max_batch=2).start()
+    try:
+        runs = RUNS[:2]
+        started = threading.Barrier(len(runs) + 1)
+
+        def background(prompt: str, params: GenParams) -> Callable[[SocketClient], list[int]]:
+            def job(c: SocketClient) -> list[int]:
+                session = _fresh(c, prompt, params)
+                c.call(Request.SetQos(session, 3, False))
+                c.send(Request.Generate(session, TOKENS, True))
+                replies = [c.receive()]
+                started.wait(60)
+                while isinstance(replies[-1], Response.Delta):
+                    replies.append(c.receive())
+                return generated_tokens([r.event for r in replies if isinstance(r, Response.Delta)])
+
+            return job
+
+        def chat(c: SocketClient) -> None:
+            started.wait(60)
+            session = _fresh(c, "Hi! Who are you?", GREEDY)
+            c.call(Request.SetQos(session, 0, False))
+            forced(c, session, 24)
+
+        *results, _ = _together(proc, [background(*run) for run in runs] + [chat])
+        with proc.client() as c:
+            assert _metric(c, "superfluid_preemptions_total") >= 1, "the chat took a lane"
+        for (prompt, params), got in zip(runs, results, strict=True):
+            _same(got, references[(prompt, params)], f"preempted and resumed ({prompt!r})")
+    finally:
+        proc.stop()
+
+
+def test_a_prefix_restored_from_host_memory(tmp_path: Path, references: dict) -> None:
+    proc = DaemonProcess(tmp_path, max_context=2048, max_batch=1).start()  # five KV slots in all
+    try:
+        with proc.client() as c:
+            prompt, params = RUNS[1]
+            session = _fresh(c, prompt, params)
+            first = _tokens(c, session, 80)
+            for i in range(6):  # other sessions take every slot: the entry moves to host memory
+                forced(c, _fresh(c, f"Count the boats in harbour {i}.", GREEDY), 4)
+            assert _metric(c, "superfluid_cache_exports_total") >= 1
+            imports = _metric(c, "superfluid_cache_imports_total")
+            got = first + _tokens(c, session, TOKENS - 80)
+            assert _metric(c, "superfluid_cache_imports_total") == imports + 1, "it came back from host memory"
+        _same(got, references[(prompt, params)], "continued from a prefix imported from host memory")
+    finally:
+        proc.stop()

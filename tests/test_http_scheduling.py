@@ -1,0 +1,120 @@
+"""A short chat over HTTP is answered while agents prefill long prompts, with or without QoS headers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import DaemonProcess, free_port
+
+WORDS = ["harbour", "lamp", "keeper", "storm", "ledger", "granite", "tide", "signal", "rope", "gull", "reef", "mast"]
+
+
+class HttpDaemon(DaemonProcess):
+    """A daemon with its HTTP API on a free loopback port."""
+
+    def __init__(self, root: Path, *extra: str, **sizes: int) -> None:
+        self.port = free_port()
+        super().__init__(root, *extra, **sizes)
+        self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{self.port}"]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", httpx.get(f"{self.url}/metrics").text, re.MULTILINE)
+        assert found, name
+        return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    proc = HttpDaemon(tmp_path_factory.mktemp("qos"), max_context=2048, max_batch=8).start()
+    yield proc
+    proc.stop()
+
+
+def _document(seed: int, words: int) -> str:
+    return " ".join(np.random.default_rng(seed).choice(WORDS, size=words))
+
+
+class Stream(threading.Thread):
+    """A streaming chat completion on a raw socket; `first_token` is when its first generated chunk arrived.
+
+    `close` hangs up from any thread, which cancels the generation.
+    """
+
+    def __init__(self, api: HttpDaemon, content: str, qos: str | None, max_tokens: int) -> None:
+        super().__init__()
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        data = json.dumps(body).encode()
+        qos_line = f"x-superfluid-qos: {qos}\r\n" if qos else ""
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{qos_line}Content-Length: {len(data)}\r\n\r\n"
+        )
+        self.request = head.encode() + data
+        self.sock = socket.create_connection(("127.0.0.1", api.port))
+        self.first_token: float | None = None
+
+    def run(self) -> None:
+        self.sock.sendall(self.request)
+        with contextlib.suppress(OSError), self.sock.makefile("rb") as lines:
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").strip()
+                if line == "data: [DONE]":
+                    return
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+                if self.first_token is None and "role" not in delta:
+                    self.first_token = time.monotonic()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.mark.parametrize(("agents_qos", "chat_qos"), [("background", "interactive"), (None, None)])
+def test_a_chat_is_answered_before_any_agent_finishes_its_prefill(
+    api: HttpDaemon, agents_qos: str | None, chat_qos: str | None
+) -> None:
+    agents = [Stream(api, _document(i, 1400), agents_qos, 64) for i in range(8)]
+    for agent in agents:
+        agent.start()
+    deadline = time.monotonic() + 30
+    while api.metric("superfluid_lanes_active") < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert api.metric("superfluid_lanes_active") == 8, "every lane is prefilling an agent's prompt"
+    chat = Stream(api, "What is the capital of France? One word.", chat_qos, 8)
+    asked = time.monotonic()
+    chat.start()
+    chat.join(120)
+    for agent in agents:
+        agent.close()
+    for agent in agents:
+        agent.join(60)
+    assert chat.first_token is not None
+    waited = [agent.first_token for agent in agents if agent.first_token is not None and agent.first_token < asked]
+    assert not waited, "an agent finished its prefill before the chat was sent; the test proves nothing"
+    earlier = [agent.first_token for agent in agents if agent.first_token is not None]
+    assert all(chat.first_token < first for first in earlier), (
+        f"the chat's first token came {chat.first_token - asked:.2f} s after it was sent, "
+        f"after an agent's first token ({min(earlier) - asked:.2f} s)"
+    )
