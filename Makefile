@@ -28,7 +28,17 @@ CPU_ID := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo) | md
 WHEEL_TAG := $(shell echo '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)-$(CPU_ID)
 WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
-.PHONY: serve test bench chromium clean
+# The peers `make bench` measures against, built once per CPU from the same llama.cpp:
+# llama-server and llama-batched-bench at llama.cpp's own defaults (its fastest build), and
+# llama-batched-bench with the flags above (what superfluid's exactness costs).
+PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(CPU_ID)
+ifeq ($(shell uname -m),aarch64)
+FAST_CMAKE_ARGS := -DGGML_NATIVE=ON
+else
+FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
+endif
+
+.PHONY: serve test bench peers chromium clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +62,16 @@ test: $(STAMP) chromium
 	$(BIN)/ruff format --check src tests clients bench
 	$(BIN)/pytest -q
 
-bench: $(STAMP)
-	$(BIN)/python bench/run.py
+bench: $(STAMP) peers
+	$(BIN)/python bench/run.py --peers $(PEERS)
+
+peers: $(PEERS)/fast/bin/llama-server $(PEERS)/exact/bin/llama-batched-bench
+
+$(PEERS)/fast/bin/llama-server: | $(STAMP)
+	bench/build_peers.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama-server llama-batched-bench
+
+$(PEERS)/exact/bin/llama-batched-bench: | $(STAMP)
+	bench/build_peers.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
 
 # The browser test drives Debian's chromium with Playwright (no browser download).
 chromium:

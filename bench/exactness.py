@@ -52,9 +52,9 @@ class Divergence:
 class Probe:
     """One context with room for a lane, its copies and seven neighbours."""
 
-    def __init__(self, model: LlamaModel, window: int, threads: int) -> None:
+    def __init__(self, model: LlamaModel, window: int, threads: int, flash_attention: bool = False) -> None:
         self.model = model
-        self.context = LlamaContext(model, ContextShape(window, OTHERS + 3, BATCH, threads))
+        self.context = LlamaContext(model, ContextShape(window, OTHERS + 3, BATCH, threads, flash_attention))
 
     def clear(self) -> None:
         for seq in range(self.context.shape.sequences):
@@ -197,11 +197,13 @@ def system_info() -> str:
     return L.llama_print_system_info().decode()
 
 
-def probe_all(model: LlamaModel, prompts: list[str], tokens: int, threads: int) -> list[Divergence]:
+def probe_all(
+    model: LlamaModel, prompts: list[str], tokens: int, threads: int, flash_attention: bool = False
+) -> list[Divergence]:
     """Run every path on every prompt; one `Divergence` each."""
     encoded = [model.tokenize(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n", True) for p in prompts]
     window = max(len(p) for p in encoded) + tokens + 64
-    probe = Probe(model, window, threads)
+    probe = Probe(model, window, threads, flash_attention)
     found = []
     try:
         for index, prompt in enumerate(encoded):
@@ -221,10 +223,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="greedy tokens per prompt (default: 200)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
+    parser.add_argument("--flash-attn", action="store_true", help="with flash attention (superfluid runs without)")
     args = parser.parse_args()
     print(system_info())
     model = LlamaModel(embedded_model().path)
-    results = probe_all(model, list(PROMPTS), args.tokens, args.threads)
+    results = probe_all(model, list(PROMPTS), args.tokens, args.threads, args.flash_attn)
     width = max(len(name) for name in PATHS)
     for name in PATHS:
         rows = [r for r in results if r.path == name]

@@ -1,12 +1,20 @@
-"""Benchmarks: superfluid against the raw llama.cpp loop, measured in the same run.
+"""Benchmarks: superfluid against llama-server and the bare llama.cpp loop, in one run.
 
-    .venv/bin/python bench/run.py            # about 5 minutes on 2 cores
-    .venv/bin/python bench/run.py --quick    # smaller workloads, for a smoke run
+    make bench                                  # builds the peers once (a few minutes), then runs all
+    .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
+    .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
+    .venv/bin/python bench/run.py --only http   # one section: engine, http or socket
 
-It starts `superfluid serve` on the embedded model and drives it over the socket, then
-runs the same work as a bare llama.cpp loop (same model, threads, KV layout and
-attention) in this process, never both at once, and prints each ratio next to its
-target. Performance claims in the README come from this script, not from tests.
+Three sections, one system at a time, never two at once:
+- engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
+  flash attention as llama.cpp chooses, one unified KV) and at superfluid's settings (the
+  exact build, no flash attention, a KV stream per sequence), prefill and decode;
+- http: superfluid and llama-server (built from the same llama.cpp, `-np 8 -kvu`) driven
+  over OpenAI HTTP by the same client: idle first token, decode at 1 and 8 streams, a burst
+  sharing a system prompt, eight agents with a chat arriving behind them;
+- socket: the session API against a bare llama.cpp loop in this process (same engine
+  settings): decode, forks, shared prefixes, a chat behind agents, memory inside its flags.
+Performance claims in the README come from this script, not from tests.
 """
 
 from __future__ import annotations
@@ -14,16 +22,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as L
+import load
 import numpy as np
+from peer import LlamaServer, Superfluid, batched_bench
 
 from superfluid.client import SocketClient
 from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
@@ -109,32 +118,6 @@ class RawLoop:
         return sum(counts), time.perf_counter() - started
 
 
-class Daemon:
-    """`superfluid serve` in a subprocess, on temporary state."""
-
-    def __init__(self, root: Path, window: int, lanes: int, host_cache_mb: int) -> None:
-        self.socket = root / "sf.sock"
-        self.log = root / "serve.log"
-        self.flags = {"--max-context": window, "--max-batch": lanes, "--host-cache-mb": host_cache_mb}
-        args = [sys.executable, "-m", "superfluid", "serve", "--sessions", str(root / "sessions")]
-        args += ["--socket", str(self.socket), "--no-http", "--no-tui", "--log-filter", "warn"]
-        for flag, value in self.flags.items():
-            args += [flag, str(value)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        while b"serving" not in self.log.read_bytes():
-            if self.proc.poll() is not None:
-                sys.exit(f"superfluid did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-
-    def client(self) -> SocketClient:
-        return SocketClient(self.socket)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
 def session_with(client: SocketClient, tokens: list[int], qos: int | None = None) -> int:
     session = client.call(Request.Create(None, GREEDY)).session
     if qos is not None:
@@ -155,12 +138,12 @@ def timed_generate(client: SocketClient, session: int, max_tokens: int) -> tuple
     return first if first is not None else time.perf_counter() - started, time.perf_counter() - started, reply
 
 
-def generate_on_own_connection(daemon: Daemon, session: int, max_tokens: int) -> Response.Generated:
+def generate_on_own_connection(daemon: Superfluid, session: int, max_tokens: int) -> Response.Generated:
     with daemon.client() as own:
         return timed_generate(own, session, max_tokens)[2]
 
 
-def collect(into: list[Response.Generated], daemon: Daemon, session: int, max_tokens: int) -> None:
+def collect(into: list[Response.Generated], daemon: Superfluid, session: int, max_tokens: int) -> None:
     into.append(generate_on_own_connection(daemon, session, max_tokens))
 
 
@@ -182,7 +165,7 @@ def filler(model: LlamaModel, tokens: int, seed: int) -> str:
     return model.detokenize(model.tokenize(text, False)[:tokens])
 
 
-def run_all(quick: bool) -> list[Result]:
+def socket_section(quick: bool, root: Path, fastest: dict[int, float]) -> list[Result]:
     threads = os.cpu_count() or 2
     window, lanes = 4096, 8
     decode_tokens = 64 if quick else 192
@@ -193,7 +176,6 @@ def run_all(quick: bool) -> list[Result]:
     agent_tokens = 500 if quick else 1500
     model = LlamaModel(embedded_model().path)
     results: list[Result] = []
-    root = Path(tempfile.mkdtemp(prefix="superfluid-bench-"))
 
     raw = RawLoop(model, window, lanes + 4, threads)
     document = prompt(model, filler(model, fork_tokens, 1))
@@ -203,7 +185,7 @@ def run_all(quick: bool) -> list[Result]:
     cold_prefill = time.perf_counter() - started
 
     host_cache_mb = 512
-    daemon = Daemon(root, window, lanes, host_cache_mb)
+    daemon = Superfluid(root / "socket", window, lanes, "--host-cache-mb", str(host_cache_mb)).start()
     try:
         with daemon.client() as c:
             # 1. decode throughput at 1 and 8 concurrent sessions: raw and daemon take turns on
@@ -232,13 +214,24 @@ def run_all(quick: bool) -> list[Result]:
                 ratio = float(np.median(ratios))
                 results.append(
                     Result(
-                        f"decode tok/s, {n} session(s) / raw loop",
+                        f"decode tok/s through the socket, {n} session(s) / raw loop, same engine",
                         ratio,
                         ">= 0.95",
                         ratio >= 0.95,
                         f"{np.median(rates):.1f} vs {np.median(raw_rates):.1f} tok/s, median of {rounds} paired rounds",
                     )
                 )
+                if n in fastest:
+                    best = float(np.median(rates)) / fastest[n]
+                    results.append(
+                        Result(
+                            f"decode tok/s through the socket, {n} session(s) / fastest llama.cpp loop",
+                            best,
+                            ">= 0.95",
+                            best >= 0.95,
+                            f"{np.median(rates):.1f} vs {fastest[n]:.1f} tok/s (llama-batched-bench)",
+                        )
+                    )
             del raw
 
             # 2. first token of a fork of a long session, against a cold prefill of it
@@ -329,16 +322,231 @@ def run_all(quick: bool) -> list[Result]:
     return results
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    args = parser.parse_args()
-    results = run_all(args.quick)
-    print()
+# ---- engine: llama.cpp's own loop, at its defaults and at superfluid's settings ----
+
+ENGINE_CONFIGS = (
+    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu")),
+    ("llama.cpp build, no flash attention, a KV stream per sequence", "fast", ("-fa", "off")),
+    ("superfluid: exact build, no flash attention, a KV stream per sequence", "exact", ("-fa", "off")),
+)
+
+
+def engine_section(peers: Path, quick: bool, threads: int) -> tuple[list[Result], dict[int, float]]:
+    """Prefill and decode of each configuration; returns the results and the fastest decode per stream count."""
+    model = embedded_model().path
+    prompts = (100, 1500) if quick else (100, 1500, 4000)
+    tokens = 64 if quick else 128
+    rows: dict[str, list[dict]] = {}
+    for name, build, flags in ENGINE_CONFIGS:
+        binary = peers / build / "bin" / "llama-batched-bench"
+        runs = [batched_bench(binary, model, p, tokens, [1], "-t", str(threads), *flags) for p in prompts]
+        runs.append(batched_bench(binary, model, prompts[0], tokens, [8], "-t", str(threads), *flags))
+        if not quick:
+            runs.append(batched_bench(binary, model, prompts[1], tokens, [8], "-t", str(threads), *flags))
+        rows[name] = [row for run in runs for row in run]
+        print(f"engine: {name}", flush=True)
+        for row in rows[name]:
+            print(
+                f"  prompt {row['pp']:5d} x{row['pl']}: prefill {row['speed_pp']:7.1f} tok/s, "
+                f"decode {row['speed_tg']:6.1f} tok/s",
+                flush=True,
+            )
+    fastest = {
+        n: max(
+            r["speed_tg"] for name, _, _ in ENGINE_CONFIGS[:2] for r in rows[name] if r["pl"] == n and r["pp"] == 100
+        )
+        for n in (1, 8)
+    }
+    ours, defaults = rows[ENGINE_CONFIGS[2][0]], rows[ENGINE_CONFIGS[0][0]]
+    results = []
+    for mine, theirs in zip(ours, defaults, strict=True):
+        for phase in ("pp", "tg"):
+            ratio = mine[f"speed_{phase}"] / theirs[f"speed_{phase}"]
+            what = "prefill" if phase == "pp" else "decode"
+            results.append(
+                Result(
+                    f"engine {what}, prompt {mine['pp']} x{mine['pl']}: superfluid settings / llama.cpp defaults",
+                    ratio,
+                    "(the price of exactness)",
+                    True,
+                    f"{mine[f'speed_{phase}']:.1f} vs {theirs[f'speed_{phase}']:.1f} tok/s",
+                )
+            )
+    return results, fastest
+
+
+# ---- http: superfluid and llama-server, driven alike ----
+
+AGENT_PROMPT = 1750
+BURST_PREFIX = 1500
+CHAT = "What is the capital of France? One word."
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def light_round(url: str, quick: bool, seed: int) -> dict[str, float]:
+    """Idle first token, decode at 1 and 8 streams, and a burst sharing a system prompt, on fresh prompts."""
+    load.send(url, load.Chat(_user(f"Hello {seed}."), 4))  # warm-up: first-request costs are not steady state
+    idle = [load.send(url, load.Chat(_user(f"{CHAT} ({seed}-{i})"), 16)).ttft for i in range(5 if quick else 9)]
+    figures = {"idle": float(np.median(idle))}
+    for n in (1, 8):
+        stories = [load.Chat(_user(f"Tell me a long story about lighthouse {seed}-{n}-{i}."), 256) for i in range(n)]
+        figures[f"decode{n}"] = load.decode_rate(load.together(url, stories))
+    system = load.document(seed + 1, BURST_PREFIX // 3 if quick else BURST_PREFIX)
+    burst = [
+        load.Chat([{"role": "system", "content": system}, *_user(f"Question {i}: what is word {i}?")], 8)
+        for i in range(8 if quick else 16)
+    ]
+    replies, figures["burst_wall"] = load.timed(lambda: load.together(url, burst))
+    figures["burst_prefilled"] = sum(r.prompt_tokens - r.cached_tokens for r in replies)
+    return figures
+
+
+def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_qos: str | None) -> dict[str, float]:
+    """Eight agents with long prompts of their own; a short chat two seconds after they start."""
+    agents = [
+        load.Chat(_user(load.document(seed + i, 600 if quick else AGENT_PROMPT)), 128 if quick else 384, agent_qos)
+        for i in range(8)
+    ]
+    replies = load.together(url, [*agents, load.Chat(_user(CHAT), 16, chat_qos)], [0.0] * 8 + [2.0])
+    ttfts = [r.ttft for r in replies[:8]]
+    figures = {
+        "wall": max(r.done for r in replies[:8]) - min(r.sent for r in replies[:8]),
+        "p50": float(np.median(ttfts)),
+        "max": max(ttfts),
+        "chat": replies[8].ttft,
+    }
+    print(
+        f"  agents {agent_qos or 'no header'}, chat {chat_qos or 'no header'}: agents' wall {figures['wall']:.1f} s, "
+        f"first token p50 {figures['p50']:.1f} s, max {figures['max']:.1f} s; chat first token {figures['chat']:.2f} s",
+        flush=True,
+    )
+    return figures
+
+
+def http_section(peers: Path | None, quick: bool, threads: int, root: Path) -> list[Result]:
+    window, lanes = 4096, 8
+    systems: dict[str, Callable[[str], Superfluid | LlamaServer]] = {
+        "superfluid": lambda tag: Superfluid(root / f"superfluid-{tag}", window, lanes)
+    }
+    server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
+    if server_binary is not None and server_binary.exists():
+        model = embedded_model().path
+        systems["llama-server"] = lambda tag: LlamaServer(
+            server_binary, model, root / f"llama-server-{tag}", lanes, window, threads
+        )
+    else:
+        print("http: llama-server not built (make bench builds it); its column is left out", flush=True)
+    # the light figures in rounds that alternate the systems: this machine's speed drifts by
+    # 10-20% over minutes, so each ratio compares runs a minute apart and the median round counts
+    light: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    for round_ in range(2 if quick else 3):
+        for name, make in systems.items():
+            with make(f"light{round_}") as server:
+                light[name].append(light_round(server.url, quick, 1000 * round_ + 1))
+            print(f"http round {round_ + 1}, {name}: {light[name][-1]}", flush=True)
+    agents: dict[tuple[str, str], dict[str, float]] = {}
+    plans = [("superfluid", "with the QoS header", "background", "interactive"), ("llama-server", "plain", None, None)]
+    plans.append(("superfluid", "plain", None, None))
+    for name, label, agent_qos, chat_qos in plans:
+        if name in systems:
+            print(f"http agents: {name}, {label}", flush=True)
+            with systems[name](f"agents-{label}") as server:
+                agents[(name, label)] = agents_round(server.url, quick, 500 + len(agents) * 100, agent_qos, chat_qos)
+    return http_results(light, agents, quick)
+
+
+def http_results(
+    light: dict[str, list[dict[str, float]]], agents: dict[tuple[str, str], dict[str, float]], quick: bool
+) -> list[Result]:
+    ours = light["superfluid"]
+    theirs = light.get("llama-server")
+    results = []
+
+    def compare(name: str, key: str, target: str, ok: Callable[[float], bool], unit: str) -> None:
+        mine = float(np.median([r[key] for r in ours]))
+        if theirs is None:
+            results.append(Result(name, mine, target, False, f"superfluid {mine:.3f}{unit}; no llama-server figure"))
+            return
+        peer = float(np.median([r[key] for r in theirs]))
+        ratio = float(np.median([a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]))
+        detail = f"{mine:.3f}{unit} vs {peer:.3f}{unit}, median of {len(ours)} paired rounds"
+        results.append(Result(name, ratio, target, ok(ratio), detail))
+
+    compare("idle first token over HTTP / llama-server", "idle", "<= 1.2", lambda r: r <= 1.2, " s")
+    compare("decode tok/s over HTTP, 1 stream / llama-server", "decode1", ">= 1.0", lambda r: r >= 1.0, " tok/s")
+    compare("decode tok/s over HTTP, 8 streams / llama-server", "decode8", ">= 1.0", lambda r: r >= 1.0, " tok/s")
+    prefix = BURST_PREFIX // 3 if quick else BURST_PREFIX
+    prefilled = float(np.median([r["burst_prefilled"] for r in ours]))
+    peer_prefilled = f", llama-server {np.median([r['burst_prefilled'] for r in theirs]):.0f}" if theirs else ""
+    results.append(
+        Result(
+            f"burst sharing a {prefix}-token system prompt: tokens prefilled / prefix",
+            prefilled / prefix,
+            "<= 1.2",
+            prefilled / prefix <= 1.2,
+            f"superfluid {prefilled:.0f}{peer_prefilled} tokens prefilled",
+        )
+    )
+    compare("burst sharing a system prompt: wall / llama-server", "burst_wall", "<= 0.5", lambda r: r <= 0.5, " s")
+    mine, plain = agents[("superfluid", "with the QoS header")], agents[("superfluid", "plain")]
+    peer = agents.get(("llama-server", "plain"))
+    for key, name, target, ok in (
+        ("wall", "eight agents' wall / llama-server", "<= 0.9", lambda r: r <= 0.9),
+        ("p50", "agent first token p50 / llama-server", "<= 1.0", lambda r: r <= 1.0),
+    ):
+        if peer is None:
+            results.append(Result(name, mine[key], target, False, "no llama-server figure"))
+        else:
+            ratio = mine[key] / peer[key]
+            results.append(Result(name, ratio, target, ok(ratio), f"{mine[key]:.1f} s vs {peer[key]:.1f} s"))
+    results.append(
+        Result("chat first token behind 8 agents, QoS header (s)", mine["chat"], "<= 0.5 s", mine["chat"] <= 0.5, "")
+    )
+    results.append(
+        Result(
+            "chat first token behind 8 agents, no header (s)",
+            plain["chat"],
+            "<= 2.0 s",
+            plain["chat"] <= 2.0,
+            f"llama-server {peer['chat']:.2f} s" if peer else "",
+        )
+    )
+    return results
+
+
+def report(results: list[Result]) -> None:
     width = max(len(r.name) for r in results)
     for r in results:
         mark = "ok " if r.passed else "MISS"
-        print(f"{mark} {r.name.ljust(width)}  {r.value:8.3f}  target {r.target:<24} {r.detail}")
+        print(f"{mark} {r.name.ljust(width)}  {r.value:8.3f}  target {r.target:<26} {r.detail}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--peers", type=Path, help="where `make peers` built llama-server and llama-batched-bench")
+    parser.add_argument("--only", choices=["engine", "http", "socket"], help="run one section")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for every system")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="superfluid-bench-"))
+    results: list[Result] = []
+    sections = [args.only] if args.only else ["engine", "http", "socket"]
+    fastest: dict[int, float] = {}
+    if "engine" in sections:
+        if args.peers is None:
+            print("engine: no --peers given (make bench builds them); section skipped", flush=True)
+        else:
+            engine, fastest = engine_section(args.peers, args.quick, args.threads)
+            results += engine
+    if "http" in sections:
+        results += http_section(args.peers, args.quick, args.threads, root)
+    if "socket" in sections:
+        results += socket_section(args.quick, root, fastest)
+    print()
+    report(results)
     return 0 if all(r.passed for r in results) else 1
 
 

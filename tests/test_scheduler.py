@@ -230,14 +230,15 @@ def test_pinned_prefixes_are_evicted_last() -> None:
 
 
 def test_waiting_work_ages_into_a_better_class() -> None:
-    scheduler = Scheduler(FakeContext(sequences=3, delay=0.0005), lanes=1, window=1024)
+    scheduler = Scheduler(FakeContext(sequences=3, delay=0.0005, window=2048), lanes=1, window=2048)
     scheduler.start()
     try:
         _, running = started(scheduler, [1, 2], STARVATION_STEPS + 40)
-        _, old = started(scheduler, [3, 4], 2, qos=3)  # waits the whole run: one class better by its end
+        # prompts too long to count as short work, so both wait for the one lane
+        _, old = started(scheduler, list(range(300, 700)), 2, qos=3)  # waits the whole run: one class better
         while scheduler.stats.steps < 70:
             time.sleep(0.001)
-        _, young = started(scheduler, [5, 6], 2, qos=2)  # waits less than STARVATION_STEPS
+        _, young = started(scheduler, list(range(800, 1200)), 2, qos=2)  # waits less than STARVATION_STEPS
         assert old.done.wait(10) and young.done.wait(10) and running.done.is_set()
         assert old.when < young.when, "the background job waited long enough to go first"
     finally:
@@ -277,5 +278,29 @@ def test_a_few_shared_tokens_are_prefilled_not_copied() -> None:
         run(scheduler, [1, 2, 3, 4, 5], 2)
         _, warm = run(scheduler, [1, 2, 3, 9, 9], 2)
         assert warm == 0, "three shared tokens are cheaper to prefill than a whole slot is to copy"
+    finally:
+        scheduler.stop()
+
+
+def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
+    context = FakeContext(sequences=6, delay=0.002, batch=64, window=4096)
+    scheduler = Scheduler(context, lanes=2, window=4096)
+    scheduler.start()
+    try:
+        decoding = [started(scheduler, [5, 6, q], 200) for q in range(2)]
+        while any(len(sink.out) < 5 for _, sink in decoding):
+            time.sleep(0.001)
+        _short, quick = started(scheduler, [8, 8, 8], 3)  # both lanes busy: it runs on the lane kept for short work
+        assert quick.done.wait(10)
+        assert not any(sink.done.is_set() for _, sink in decoding), "the short job did not wait for a lane"
+        long_prompts = [started(scheduler, list(range(1000 + q, 2500 + q)), 2) for q in range(2)]
+        while not any(context.slots[lane.seq] for lane in scheduler.lanes if lane.job is long_prompts[0][0]):
+            time.sleep(0.001)
+        _other, other = started(scheduler, [9, 9, 9], 3)
+        assert other.done.wait(10)
+        assert not any(sink.done.is_set() for _, sink in long_prompts), "it took a lane from a long prefill"
+        for _, sink in [*decoding, *long_prompts]:
+            assert sink.done.wait(30)
+        assert other.out == alone([9, 9, 9], 3)
     finally:
         scheduler.stop()

@@ -284,6 +284,8 @@ class Daemon:
             if qos != QOS_AGENT or batch_invariant:
                 writes.append((session, B.QosSet(qos, batch_invariant)))
             writes.append((session, B.Appended(None, prompt)))
+            # generated from at once: the fingerprint goes in this commit, not in one of its own
+            writes.append((session, B.GenerationFingerprint(self.fingerprint)))
             if opener:
                 writes.append((session, B.GenerationPrompt(opener)))
             self.store.commit(writes)

@@ -167,6 +167,7 @@ class ContextShape:
     sequences: int
     batch: int
     threads: int
+    flash_attention: bool = False  # bench/exactness.py --flash-attn shows why it stays off
 
     @property
     def pool_tokens(self) -> int:
@@ -191,7 +192,9 @@ class LlamaContext:
         # other sequences (flash attention's CPU kernels change their summation order
         # with the batch shape, and a shared pool interleaves the cells).
         params.kv_unified = False
-        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         params.no_perf = True
         self._ctx = L.llama_init_from_model(model._model, params)
         if not self._ctx:

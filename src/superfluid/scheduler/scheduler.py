@@ -15,12 +15,14 @@ in one transaction.
   completion job that finds every lane busy preempts the lowest-class lane, which keeps
   its KV cached and resumes later from where it stopped, nothing repeated or lost.
   While such a job prefills, no lower-class prefill runs beside it. Each step's prefill
-  is sized from the measured cost of a token to last about `STEP_TARGET_S`, so an
+  is sized from the measured cost of a token to last about `STEP_TARGET_S` (and
+  `STEP_URGENT_S` for five minutes after interactive or completion work arrives), so an
   arrival never waits long for the step in flight.
-- A short job (little prompt left to prefill) never waits for long prefills: when every
-  lane is busy it takes the lane of one that still has a long prompt ahead of it, in its
-  own class or below, which is preempted like any other (its KV kept). Within a step,
-  prefill goes to the shortest remaining prompts of the best class first.
+- A short job (little prompt left to prefill) never waits behind long work: when every
+  lane is busy it runs on one lane beyond `--max-batch` kept for short work, or, when that
+  one is taken, on the lane of a job that still has a long prompt ahead of it (in its own
+  class or below), preempted like any other (its KV kept). Within a step, prefill goes to
+  the shortest remaining prompts of the best class first.
 - A tick ends as soon as a job has its first token, so it is committed and shown at once.
 - `batch_invariant` lanes run alone. `background_divisor` N lets class 2 and 3 lanes
   run only every N-th step.
@@ -65,7 +67,9 @@ LONG_PREFILL = 1024  # a lane with more than this left to prefill gives its lane
 EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
 MIN_COPY_TOKENS = 8  # a slot copy (7-25 ms, by window) costs about as much as prefilling this many tokens
 BUSY_TICK_S = 0.25  # tick length while every lane is busy
-STEP_TARGET_S = 0.25  # a step's work: what an interactive arrival may have to wait for
+STEP_TARGET_S = 0.15  # a step's work: what an interactive arrival may have to wait for
+STEP_URGENT_S = 0.08  # the same while interactive or completion work has come lately
+URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 
 
@@ -176,6 +180,7 @@ class Scheduler:
         self.lanes: list[Lane] = []
         self.background_divisor = 1
         self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
+        self._urgent_until = 0.0  # monotonic time until which steps stay short
         self._queue: list[Job] = []
         self._order = itertools.count()
         self._admissions = itertools.count()
@@ -202,6 +207,8 @@ class Scheduler:
             job.qos = min(max(job.qos, 0), QOS_CLASSES - 1)
             job.queued_at = self.stats.steps
             job.order = next(self._order)
+            if job.qos <= QOS_COMPLETION:
+                self._urgent_until = time.monotonic() + URGENT_WINDOW_S
             self._queue.append(job)
             self._cv.notify()
 
@@ -277,7 +284,7 @@ class Scheduler:
             if self._waits_for_prefix(job):
                 held.add(id(job))
                 continue
-            if len(self.lanes) >= self.max_lanes and not (self._preempt_for(job) or self._yield_to_short(job)):
+            if len(self.lanes) >= self.max_lanes and not (self._preempt_for(job) or self._room_for_short(job)):
                 break
             if any(lane.job.batch_invariant for lane in self.lanes) and job.qos >= self._invariant_class():
                 break  # nothing at or below a batch-invariant lane's class joins it
@@ -324,8 +331,15 @@ class Scheduler:
         self._preempt(lane)
         return True
 
-    def _yield_to_short(self, job: Job) -> bool:
-        """Free a lane for a short job: the lane with the most prompt left, in the job's class or below."""
+    def _room_for_short(self, job: Job) -> bool:
+        """A lane for a short job: the one kept beyond --max-batch, else one with a long prompt still to prefill."""
+        tokens = np.asarray(job.tokens, dtype=np.int32)
+        running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
+        seed = self.cache.lookup(tokens, running, self.now_ms())
+        if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
+            return False
+        if len(self.lanes) == self.max_lanes and len(self.lanes) < self.context.shape.sequences:
+            return True
         klass = self._class_now(job)
         candidates = [
             lane
@@ -333,11 +347,6 @@ class Scheduler:
             if lane.job.qos >= klass and not lane.job.batch_invariant and len(lane.feed) > LONG_PREFILL
         ]
         if not candidates:
-            return False
-        tokens = np.asarray(job.tokens, dtype=np.int32)
-        running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        seed = self.cache.lookup(tokens, running, self.now_ms())
-        if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
             return False
         self._preempt(max(candidates, key=lambda lane: len(lane.feed)))
         return True
@@ -476,9 +485,12 @@ class Scheduler:
             try:
                 started = time.perf_counter()
                 logits = self.context.decode(tokens, positions, seqs, want)
+                took = time.perf_counter() - started
                 if len(tokens) >= MIN_PREFILL + len(owners):
-                    cost = (time.perf_counter() - started) / len(tokens)
-                    self._token_cost = 0.8 * self._token_cost + 0.2 * cost
+                    # attention makes a token dearer as its lane grows: follow the cost closely
+                    self._token_cost = 0.5 * self._token_cost + 0.5 * took / len(tokens)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("step: %d tokens over %d lanes in %.0f ms", len(tokens), len(plan), took * 1000)
                 break
             except KVFull:
                 if self._evict():
@@ -518,7 +530,8 @@ class Scheduler:
         decoding = [lane for lane in runnable if lane.decoding]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
-        budget = max(MIN_PREFILL, int(STEP_TARGET_S / self._token_cost) - len(decoding))
+        step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
+        budget = max(MIN_PREFILL, int(step / self._token_cost) - len(decoding))
         budget = min(budget, self.context.shape.batch - len(decoding))
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))

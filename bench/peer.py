@@ -1,0 +1,109 @@
+"""The systems the bench measures, each started on its own and stopped before the next.
+
+`Superfluid` is `superfluid serve` on temporary state with its HTTP API and socket;
+`LlamaServer` is llama-server built from the llama.cpp that llama-cpp-python vendors (the
+same commit superfluid runs), at its own defaults; `batched_bench` runs llama.cpp's
+`llama-batched-bench`, the bare decode loop, with the settings given.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from superfluid.client import SocketClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process with an OpenAI-compatible HTTP API at `url`."""
+
+    name = "server"
+
+    def __init__(self, args: list[str], log: Path, port: int) -> None:
+        self.args, self.log, self.port = args, log, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"{self.name} exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if self.ready():
+                return self
+            time.sleep(0.1)
+        sys.exit(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}")
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Superfluid(Server):
+    """`superfluid serve` with its HTTP API and socket, on state of its own."""
+
+    name = "superfluid"
+
+    def __init__(self, root: Path, window: int, lanes: int, *extra: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.socket = root / "sf.sock"
+        port = free_port()
+        args = [sys.executable, "-m", "superfluid", "serve", "--sessions", str(root / "sessions")]
+        args += ["--socket", str(self.socket), "--http", f"127.0.0.1:{port}", "--no-tui", "--log-filter", "warn"]
+        args += ["--max-context", str(window), "--max-batch", str(lanes), *extra]
+        super().__init__(args, root / "serve.log", port)
+
+    def client(self) -> SocketClient:
+        return SocketClient(self.socket)
+
+
+class LlamaServer(Server):
+    """llama-server at its defaults: `-np` parallel slots over one unified KV of `-c` tokens."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: Path, model: Path, root: Path, lanes: int, window: int, threads: int) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        args += ["-np", str(lanes), "-c", str(lanes * window), "-kvu", "-t", str(threads), "--no-webui"]
+        super().__init__(args, root / "llama-server.log", port)
+
+
+def batched_bench(binary: Path, model: Path, prompt: int, tokens: int, streams: list[int], *flags: str) -> list[dict]:
+    """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s."""
+    context = max(streams) * (prompt + tokens) + 64
+    args = [str(binary), "-m", str(model), "-c", str(context), "-npp", str(prompt), "-ntg", str(tokens)]
+    args += ["-npl", ",".join(map(str, streams)), "--output-format", "jsonl", *flags]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return rows
