@@ -53,8 +53,7 @@ def document(seed: int, words: int) -> str:
 
 def send(url: str, chat: Chat) -> Reply:
     """Stream one chat completion with greedy sampling and end-of-generation banned."""
-    body = {
-        "model": "bench",
+    body = {  # no model: each server runs its default one
         "messages": chat.messages,
         "max_tokens": chat.max_tokens,
         "temperature": 0,

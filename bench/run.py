@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from peer import LlamaServer, Superfluid, batched_bench
 
 from superfluid.client import SocketClient
 from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+from superfluid.metrics import read_metric
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import GenParams, Request, Response
 
@@ -148,9 +148,7 @@ def collect(into: list[Response.Generated], daemon: Superfluid, session: int, ma
 
 
 def metric(client: SocketClient, name: str) -> float:
-    text = client.call(Request.Metrics()).text
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    return read_metric(client.call(Request.Metrics()).text, name)
 
 
 def prompt(model: LlamaModel, text: str) -> list[int]:
@@ -191,6 +189,10 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float]) -> list[R
             # 1. decode throughput at 1 and 8 concurrent sessions: raw and daemon take turns on
             # prompts neither has seen; each round's ratio compares runs a few seconds apart, and
             # the median round counts (this machine's speed drifts by 10-20% over minutes)
+            channel_before = (
+                metric(c, "superfluid_worker_step_seconds_total"),
+                metric(c, "superfluid_worker_compute_seconds_total"),
+            )
             for n in (1, 8):
                 raw_rates, rates, ratios = [], [], []
                 for round_ in range(rounds):
@@ -233,6 +235,18 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float]) -> list[R
                         )
                     )
             del raw
+            step = metric(c, "superfluid_worker_step_seconds_total") - channel_before[0]
+            compute = metric(c, "superfluid_worker_compute_seconds_total") - channel_before[1]
+            overhead = (step - compute) / max(step, 1e-9)
+            results.append(
+                Result(
+                    "worker channel: share of each decode step spent outside llama.cpp's worker",
+                    overhead,
+                    "<= 0.02",
+                    overhead <= 0.02,
+                    f"{step - compute:.3f} s of {step:.2f} s of steps, over the decode rounds above",
+                )
+            )
 
             # 2. first token of a fork of a long session, against a cold prefill of it
             parent = session_with(c, document)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from superfluid.client import SocketClient
+from superfluid.metrics import read_metric
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Response
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -153,6 +154,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class HttpDaemon(DaemonProcess):
+    """A daemon with its HTTP API on a free loopback port."""
+
+    def __init__(self, root: Path, *extra: str, **sizes: int) -> None:
+        self.port = free_port()
+        super().__init__(root, *extra, **sizes)
+        self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{self.port}"]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        """A figure of /metrics, summed over its labels."""
+        import httpx
+
+        return read_metric(httpx.get(f"{self.url}/metrics").text, name)
+
+
 class WebDaemon(DaemonProcess):
     """A daemon with the browser transport on a free loopback port."""
 
@@ -192,3 +209,8 @@ def end_turn(daemon: WebDaemon, session: int) -> list[dict]:
     frames = web_stream(daemon, {"session": session, "max_tokens": 64, "grammar": ENDS_TURN})
     assert frames[-1]["done"]["finish"] == 3, frames[-1]
     return frames
+
+
+def metric(client: SocketClient, name: str) -> float:
+    """A figure of the daemon's `Metrics`, summed over its labels."""
+    return read_metric(client.call(Request.Metrics()).text, name)

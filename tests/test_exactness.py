@@ -10,7 +10,6 @@ the suite runs on (text may differ from CPU to CPU; the equality may not).
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess, forced, generated_tokens, new_session, say
+from conftest import DaemonProcess, forced, generated_tokens, metric, new_session, say
 
 from superfluid.client import SocketClient
 from superfluid.engine.build import exactness_problems, system_info
@@ -210,12 +209,6 @@ def test_sigkill_and_restart_mid_generation(tmp_path: Path, references: dict) ->
         proc.stop()
 
 
-def _metric(client: SocketClient, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", client.call(Request.Metrics()).text, re.MULTILINE)
-    assert found, name
-    return float(found.group(1))
-
-
 def test_preempted_by_an_interactive_chat_and_resumed(tmp_path: Path, references: dict) -> None:
     proc = DaemonProcess(tmp_path, max_context=2048, max_batch=2).start()
     try:
@@ -243,7 +236,7 @@ def test_preempted_by_an_interactive_chat_and_resumed(tmp_path: Path, references
 
         *results, _ = _together(proc, [background(*run) for run in runs] + [chat])
         with proc.client() as c:
-            assert _metric(c, "superfluid_preemptions_total") >= 1, "the chat took a lane"
+            assert metric(c, "superfluid_preemptions_total") >= 1, "the chat took a lane"
         for (prompt, params), got in zip(runs, results, strict=True):
             _same(got, references[(prompt, params)], f"preempted and resumed ({prompt!r})")
     finally:
@@ -259,10 +252,10 @@ def test_a_prefix_restored_from_host_memory(tmp_path: Path, references: dict) ->
             first = _tokens(c, session, 80)
             for i in range(6):  # other sessions take every slot: the entry moves to host memory
                 forced(c, _fresh(c, f"Count the boats in harbour {i}.", GREEDY), 4)
-            assert _metric(c, "superfluid_cache_exports_total") >= 1
-            imports = _metric(c, "superfluid_cache_imports_total")
+            assert metric(c, "superfluid_cache_exports_total") >= 1
+            imports = metric(c, "superfluid_cache_imports_total")
             got = first + _tokens(c, session, TOKENS - 80)
-            assert _metric(c, "superfluid_cache_imports_total") == imports + 1, "it came back from host memory"
+            assert metric(c, "superfluid_cache_imports_total") == imports + 1, "it came back from host memory"
         _same(got, references[(prompt, params)], "continued from a prefix imported from host memory")
     finally:
         proc.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -14,7 +13,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from conftest import DaemonProcess, free_port
+from conftest import HttpDaemon
 
 WEATHER = {
     "type": "function",
@@ -26,25 +25,15 @@ WEATHER = {
 }
 
 
-class ApiDaemon(DaemonProcess):
-    """A daemon with the HTTP API on a free loopback port."""
-
-    def __init__(self, root, **sizes: int) -> None:
-        self.port = free_port()
-        super().__init__(root, **sizes)
-        self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{self.port}"]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiDaemon]:
-    proc = ApiDaemon(tmp_path_factory.mktemp("api"), max_context=2048, max_batch=4).start()
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    proc = HttpDaemon(tmp_path_factory.mktemp("api"), max_context=2048, max_batch=4).start()
     yield proc
     proc.stop()
 
 
 @pytest.fixture
-def oa(api: ApiDaemon) -> openai.OpenAI:
+def oa(api: HttpDaemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused")
 
 
@@ -164,7 +153,7 @@ def test_openai_completions_stops_and_errors(oa: openai.OpenAI) -> None:
         oa.chat.completions.create(model="smollm2", messages="not a list")  # type: ignore[arg-type]
 
 
-def test_anthropic_messages(api: ApiDaemon) -> None:
+def test_anthropic_messages(api: HttpDaemon) -> None:
     client = anthropic.Anthropic(base_url=api.url, api_key="unused")
     reply = client.messages.create(
         model="smollm2",
@@ -201,7 +190,7 @@ def test_anthropic_messages(api: ApiDaemon) -> None:
     assert tool_turn.stop_reason in ("max_tokens", "end_turn", "tool_use")
 
 
-def test_ollama_chat_generate_and_tags(api: ApiDaemon) -> None:
+def test_ollama_chat_generate_and_tags(api: HttpDaemon) -> None:
     client = ollama.Client(host=api.url)
     options = {"temperature": 0, "num_predict": 12, **FORCED}
     reply = client.chat(model="smollm2", messages=[{"role": "user", "content": "Name a river."}], options=options)
@@ -220,7 +209,7 @@ def test_ollama_chat_generate_and_tags(api: ApiDaemon) -> None:
         client.chat(model="smollm2", messages=[{"role": "user", "content": "x"}], options={"mirostat": 1})
 
 
-def test_health_metrics_and_origin_checks(api: ApiDaemon) -> None:
+def test_health_metrics_and_origin_checks(api: HttpDaemon) -> None:
     assert httpx.get(f"{api.url}/health").json()["status"] == "ok"
     assert "superfluid_requests_total" in httpx.get(f"{api.url}/metrics").text
     refused = httpx.get(f"{api.url}/v1/models", headers={"Origin": "http://evil.example"})
@@ -231,13 +220,7 @@ def test_health_metrics_and_origin_checks(api: ApiDaemon) -> None:
     assert httpx.get(f"{api.url}/").text == "superfluid is running"
 
 
-def _metric(api: ApiDaemon, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", httpx.get(f"{api.url}/metrics").text, re.MULTILINE)
-    assert found, name
-    return float(found.group(1))
-
-
-def _hang_up_after(api: ApiDaemon, path: str, body: dict, seconds: float) -> None:
+def _hang_up_after(api: HttpDaemon, path: str, body: dict, seconds: float) -> None:
     """A non-streaming request whose client closes its socket before the reply."""
     data = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -249,21 +232,21 @@ def _hang_up_after(api: ApiDaemon, path: str, body: dict, seconds: float) -> Non
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/chat/completions", {"model": "m", "max_tokens": 2000, "ignore_eos": True}),
-        ("/v1/messages", {"model": "m", "max_tokens": 2000, "ignore_eos": True}),
-        ("/api/chat", {"model": "m", "stream": False, "options": {"num_predict": 2000, "ignore_eos": True}}),
+        ("/v1/chat/completions", {"model": "smollm2", "max_tokens": 2000, "ignore_eos": True}),
+        ("/v1/messages", {"model": "smollm2", "max_tokens": 2000, "ignore_eos": True}),
+        ("/api/chat", {"model": "smollm2", "stream": False, "options": {"num_predict": 2000, "ignore_eos": True}}),
     ],
 )
-def test_a_non_streaming_client_that_hangs_up_frees_its_lane(api: ApiDaemon, path: str, body: dict) -> None:
+def test_a_non_streaming_client_that_hangs_up_frees_its_lane(api: HttpDaemon, path: str, body: dict) -> None:
     body = {**body, "messages": [{"role": "user", "content": "Write a very long story."}]}
     clients = [threading.Thread(target=_hang_up_after, args=(api, path, body, 2.0)) for _ in range(4)]
     for client in clients:
         client.start()
     time.sleep(1.5)
-    assert _metric(api, "superfluid_lanes_active") == 4, "the four generations are running"
+    assert api.metric("superfluid_lanes_active") == 4, "the four generations are running"
     for client in clients:
         client.join()
     hung_up = time.monotonic()
-    while _metric(api, "superfluid_lanes_active") > 0 and time.monotonic() - hung_up < 5:
+    while api.metric("superfluid_lanes_active") > 0 and time.monotonic() - hung_up < 5:
         time.sleep(0.05)
     assert time.monotonic() - hung_up < 1.0, "every lane is free within a second of the hang-up"

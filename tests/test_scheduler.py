@@ -1,15 +1,15 @@
-"""Scheduler logic on a fake context that checks every decode against what each slot holds."""
+"""Scheduler logic on a fake engine that checks every decode against what each slot holds."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from superfluid.engine.llama import ContextShape
+from superfluid.engine.local import Step
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler.scheduler import STARVATION_STEPS, Job, Scheduler
 
@@ -17,18 +17,12 @@ VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 
 
-@dataclass
-class FakeModel:
-    n_vocab: int = VOCAB
-    end_of_generation: np.ndarray = field(default_factory=lambda: np.eye(1, VOCAB, 0, dtype=bool)[0])
-
-
 class FakeContext:
-    """Slots hold token lists; logits are a pure function of the slot's whole content."""
+    """An engine whose slots hold token lists; each greedy draw is a pure function of the slot's whole content."""
 
     def __init__(self, sequences: int, window: int = 256, batch: int = 512, delay: float = 0.0) -> None:
         self.shape = ContextShape(window, sequences, batch, 1)
-        self.model = FakeModel()
+        self.end_of_generation = np.eye(1, VOCAB, 0, dtype=bool)[0]  # token 0 ends a turn; draws never pick it
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay = delay
         self.batches: list[set[int]] = []
@@ -38,20 +32,28 @@ class FakeContext:
     def copy_pending(self) -> bool:
         return bool(self.copying)
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
+    def step(self, step: Step) -> list[int]:
         time.sleep(self.delay)
         self.copying.clear()
-        self.batches.append({int(s) for s in seqs})
-        rows = []
-        for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
+        self.batches.append({int(s) for s in step.seqs})
+        drawn = []
+        for token, position, seq, wanted in zip(step.tokens, step.positions, step.seqs, step.want, strict=True):
             held = self.slots[int(seq)]
             assert position == len(held), f"slot {seq} holds {len(held)} positions, decode wrote at {position}"
             held.append(int(token))
             if wanted:
-                logits = np.zeros(VOCAB, dtype=np.float32)
-                logits[1 + (sum(held) * 31 + len(held)) % (VOCAB - 1)] = 1.0
-                rows.append(logits)
-        return np.array(rows)
+                assert step.draws[len(drawn)].position == len(held), "a draw is keyed by its token's position"
+                drawn.append(1 + (sum(held) * 31 + len(held)) % (VOCAB - 1))
+        return drawn
+
+    def open_grammar(self, gbnf: str) -> int:
+        raise AssertionError("no grammar in these tests")
+
+    def close_grammar(self, handle: int) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
 
     def copy(self, source: int, target: int, length: int) -> None:
         self.slots[target] = list(self.slots[source][:length])

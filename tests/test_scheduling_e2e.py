@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from pathlib import Path
 
-from conftest import DaemonProcess, forced, generate, generated_tokens, new_session, say
+from conftest import DaemonProcess, forced, generate, generated_tokens, metric, new_session, say
 
 from superfluid.protocol.schema import Request, Response
 
 STORY = "Write a long story about a lighthouse keeper and the sea."
-
-
-def metric(client, name: str) -> float:
-    text = client.call(Request.Metrics()).text
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
-    assert found, name
-    return float(found.group(1))
 
 
 def test_a_preempted_background_generation_finishes_as_it_would_alone(tmp_path: Path) -> None:

@@ -384,7 +384,8 @@ def test_metrics_and_log_level(web: WebDaemon) -> None:
         "superfluid_decode_tokens_total",
         "superfluid_warm_prefix_tokens_total",
         "superfluid_lanes_active",
-        'superfluid_queue_depth{class="interactive_chat"}',
+        "superfluid_queue_depth{",
+        'class="interactive_chat"',
         "superfluid_commit_seconds_bucket",
     ):
         assert name in text, name

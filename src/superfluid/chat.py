@@ -17,7 +17,7 @@ from typing import Any
 
 from .daemon import Daemon, DaemonError
 from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
-from .generation import Committed, Done, Failed, Provisional
+from .generation import Committed, Done, Provisional
 from .model.template import TemplateProblem
 from .protocol.schema import (
     CHANNEL_REASONING,
@@ -30,6 +30,7 @@ from .protocol.schema import (
     GenParams,
     Request,
 )
+from .runtime import Runtime
 
 B = EventBody
 
@@ -113,16 +114,17 @@ def seed_for(seed: int | None) -> int:
 
 
 class ChatRun:
-    """One chat generation: iterate `pieces()`, then read `outcome`."""
+    """One chat generation on one model: iterate `pieces()`, then read `outcome`."""
 
-    def __init__(self, daemon: Daemon, request: ChatRequest) -> None:
+    def __init__(self, daemon: Daemon, request: ChatRequest, runtime: Runtime) -> None:
         self.daemon = daemon
+        self.runtime = runtime
         self.request = request
         self.outcome: Outcome | None = None
-        template = daemon.template
+        template = runtime.template
         try:
             if request.prompt is not None:
-                prompt, opener = daemon.model.tokenize(request.prompt, False), []
+                prompt, opener = runtime.model.tokenize(request.prompt, False), []
             else:
                 tools = request.tools if request.tool_choice != "none" else []
                 prompt, opener = template.conversation(request.messages, tools)
@@ -130,19 +132,19 @@ class ChatRun:
             raise ChatError(str(e)) from None
         self._generation: Any = None
         self.prompt_tokens = len(prompt) + len(opener)
-        if self.prompt_tokens >= daemon.window:
+        if self.prompt_tokens >= runtime.window:
             raise ChatError(
-                f"this model's maximum context length is {daemon.window} tokens, but your request has "
+                f"this model's maximum context length is {runtime.window} tokens, but your request has "
                 f"{self.prompt_tokens} tokens; shorten the prompt or drop earlier turns",
                 code="context_length_exceeded",
             )
-        room = daemon.window - self.prompt_tokens
+        room = runtime.window - self.prompt_tokens
         self.max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self.grammar = self._grammar()
-        self.session = daemon.open_chat(request.params, prompt, opener, request.qos, request.batch_invariant)
+        self.session = daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
 
     def _grammar(self) -> str | None:
-        request, markers = self.request, self.daemon.template.call_markers
+        request, markers = self.request, self.runtime.template.call_markers
         try:
             choice = request.tool_choice
             if request.tools and (choice == "required" or isinstance(choice, dict)):
@@ -168,6 +170,7 @@ class ChatRun:
                 Request.Generate(self.session, self.max_tokens, self.request.ignore_eos or None),
                 provisional=True,
                 grammar=self.grammar,
+                runtime=self.runtime,
             )
         except DaemonError as e:
             self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=str(e))
@@ -203,10 +206,8 @@ class ChatRun:
                         outcome.tokens_generated,
                         outcome.warm_prefix,
                         stopped_by=stops.hit,
+                        error=outcome.error,
                     )
-                elif isinstance(outcome, Failed):
-                    ended = True
-                    self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=outcome.message)
         finally:
             if not ended:
                 generation.cancel()

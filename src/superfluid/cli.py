@@ -102,6 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
         "model", nargs="?", metavar="MODEL", help="a .gguf path or org/repo-GGUF:QUANT (default: embedded)"
     )
     serve.add_argument(
+        "--model",
+        dest="more_models",
+        action="append",
+        default=[],
+        metavar="M",
+        help="serve this model too (repeatable); the first named, MODEL or --model, is the default, which the "
+        "session API uses; HTTP requests pick theirs by their model field",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0.0,
+        metavar="SEC",
+        help="unload a model that served nothing for SEC seconds (never the default one); a request naming it "
+        "loads it again (default: 0, never)",
+    )
+    serve.add_argument(
         "--sessions",
         type=Path,
         default=None,
@@ -179,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
     )
     serve.add_argument(
+        "--worker-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run llama.cpp in a worker process (superfluid-worker-llamacpp), so a crash there costs the "
+        "generations in flight and not the daemon; --no-worker-process runs it inside the daemon, for "
+        "debugging (default: a worker)",
+    )
+    serve.add_argument(
         "--host-cache-mb",
         type=int,
         default=None,
@@ -249,7 +274,8 @@ def _client_commands(commands: Any) -> None:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     config = ServeConfig(
-        model=args.model,
+        models=([args.model] if args.model else []) + args.more_models,
+        idle_timeout=max(0.0, args.idle_timeout),
         max_context=args.max_context,
         max_batch=args.max_batch,
         http=args.http,
@@ -262,6 +288,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         http_default_qos=args.http_default_qos,
         http_qos_header=not args.no_http_qos_header,
         http_allow_batch_invariant=args.http_allow_batch_invariant,
+        worker_process=args.worker_process,
     )
     if args.sessions is not None:
         config.sessions = args.sessions.expanduser()

@@ -42,7 +42,7 @@ def default_socket() -> Path:
 class ServeConfig:
     """Everything `superfluid serve` is told."""
 
-    model: str | None = None
+    models: list[str] = field(default_factory=list)  # the first is the default; none: the embedded model
     sessions: Path = field(default_factory=default_sessions)
     socket: Path = field(default_factory=default_socket)
     max_context: int | None = None
@@ -60,3 +60,5 @@ class ServeConfig:
     http_default_qos: int = 2  # agent
     http_qos_header: bool = True
     http_allow_batch_invariant: bool = False
+    worker_process: bool = True  # llama.cpp in a worker process, so its crash is not the daemon's
+    idle_timeout: float = 0.0  # unload a model (never the default) idle this long; 0 never

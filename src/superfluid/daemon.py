@@ -9,7 +9,6 @@ is the `Err` message the client sees; nothing is written when a request is refus
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
@@ -21,7 +20,8 @@ from typing import Any
 
 from .bus import END_PURGED, Bus, Subscription
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
-from .generation import Done, Failed, GenerationRun, Generations, Outcome
+from .engine.llama import LlamaModel
+from .generation import Done, GenerationRun, Generations, Outcome
 from .logsetup import set_log_directive
 from .metrics import Metrics
 from .model.blocks import BlockError, project_block
@@ -58,6 +58,7 @@ from .protocol.schema import (
     SessionSummary,
     Tier,
 )
+from .runtime import Models, Runtime
 from .scheduler.scheduler import Job, Scheduler
 from .store.media import MediaStore
 from .store.sessions import SessionStore, now_ms
@@ -115,7 +116,7 @@ class Generation:
             item = await self.next()
             assert item is not None
             yield item
-            if isinstance(item, (Done, Failed)):
+            if isinstance(item, Done):
                 return
 
     def cancel(self) -> None:
@@ -144,30 +145,20 @@ def _resolve(future: asyncio.Future[tuple[int, str | None]], value: tuple[int, s
 
 
 class Daemon:
-    """One model's sessions: the store, the scheduler and the verbs between them."""
+    """The sessions: the store, the models that generate, and the verbs between them.
 
-    def __init__(
-        self,
-        store: SessionStore,
-        model: Any,
-        template: ChatTemplate,
-        scheduler: Scheduler,
-        *,
-        window: int,
-        metrics: Metrics,
-    ) -> None:
+    The session API generates with the default model; the HTTP routes name theirs.
+    """
+
+    def __init__(self, store: SessionStore, models: Models, *, metrics: Metrics) -> None:
         self.store = store
-        self.model = model
-        self.template = template
-        self.window = window
+        self.models = models
         self.metrics = metrics
         self.bus = Bus()
         self.media = MediaStore(store.directory / "media")
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
-        self.scheduler = scheduler
-        scheduler.on_tick = self.generations.on_tick
-        self.fingerprint = _fingerprint(model, template)
+        models.on_load = self._attach
         self._purging: set[int] = set()
         self._completions: OrderedDict[tuple[str, str, int, int], tuple[str, list[int]]] = OrderedDict()
         metrics.attach(self)
@@ -204,19 +195,45 @@ class Daemon:
             R.GcMedia: self._gc_media,
         }
 
+    def _attach(self, runtime: Runtime) -> None:
+        """A model was loaded: what its scheduler produces is committed at the end of its ticks."""
+        scheduler = runtime.scheduler
+        scheduler.on_tick = lambda: self.generations.on_tick(scheduler)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The default model, loaded."""
+        return self.models.default()
+
+    @property
+    def model(self) -> LlamaModel:
+        return self.runtime.model
+
+    @property
+    def template(self) -> ChatTemplate:
+        return self.runtime.template
+
+    @property
+    def window(self) -> int:
+        return self.runtime.window
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.runtime.scheduler
+
     def start(self) -> int:
-        """Fence the previous run (EpochBump on every live session), re-arm pins, start generating."""
+        """Fence the previous run (EpochBump on every live session), re-arm pins; the default model serves."""
         bumped = self.store.bump_epochs()
         now = now_ms()
+        scheduler = self.scheduler
         for s in self.store.live():
             if s.pin_deadline_unix_ms > now:
-                self.scheduler.pin(s.tokens, s.pin_deadline_unix_ms)
-                self.scheduler.warm(s.tokens)
-        self.scheduler.start()
+                scheduler.pin(s.tokens, s.pin_deadline_unix_ms)
+                scheduler.warm(s.tokens)
         return bumped
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self.models.close()
         self.generations.stop()
 
     # ---- dispatch ----
@@ -274,9 +291,15 @@ class Daemon:
         return Response.Created(session)
 
     def open_chat(
-        self, params: GenParams, prompt: list[int], opener: list[int], qos: int, batch_invariant: bool = False
+        self,
+        runtime: Runtime,
+        params: GenParams,
+        prompt: list[int],
+        opener: list[int],
+        qos: int,
+        batch_invariant: bool = False,
     ) -> int:
-        """A fresh session holding a whole rendered conversation, ready to generate (the HTTP APIs)."""
+        """A fresh session holding a whole rendered conversation, ready for `runtime` to generate (the HTTP APIs)."""
         _check_params(params)
         with self.store.lock:
             session = self.store.reserve_id()
@@ -285,7 +308,7 @@ class Daemon:
                 writes.append((session, B.QosSet(qos, batch_invariant)))
             writes.append((session, B.Appended(None, prompt)))
             # generated from at once: the fingerprint goes in this commit, not in one of its own
-            writes.append((session, B.GenerationFingerprint(self.fingerprint)))
+            writes.append((session, B.GenerationFingerprint(runtime.fingerprint)))
             if opener:
                 writes.append((session, B.GenerationPrompt(opener)))
             self.store.commit(writes)
@@ -506,15 +529,19 @@ class Daemon:
             raise DaemonError(str(e)) from None
         return None
 
-    def generate(self, req: R.Generate, *, provisional: bool, grammar: str | None = None) -> Generation:
-        """Start a generation; its outcomes arrive by iterating the returned `Generation`.
+    def generate(
+        self, req: R.Generate, *, provisional: bool, grammar: str | None = None, runtime: Runtime | None = None
+    ) -> Generation:
+        """Start a generation on `runtime` (the default model); its outcomes arrive by iterating
+        the returned `Generation`.
 
         `grammar` (GBNF) constrains every token; the generation ends with finish 3 when it is complete.
         """
-        constraint = None
+        runtime = runtime or self.runtime
+        model, template, window = runtime.model, runtime.template, runtime.window
         if grammar is not None:
             try:
-                constraint = Grammar(self.model, grammar)
+                Grammar(model, grammar).close()  # it parses here; the engine keeps its state
             except GrammarError as e:
                 raise DaemonError(str(e)) from None
         with self.store.lock:
@@ -525,24 +552,24 @@ class Daemon:
                 raise DaemonError(f"session {s.id} has an open permission request; answer it before generating")
             if not s.tokens:
                 raise DaemonError(f"session {s.id} has no content to generate from")
-            opener = self._opener(s.last_input)
+            opener = _opener(template, s.last_input)
             total = len(s.tokens) + len(opener)
-            if total >= self.window:
+            if total >= window:
                 raise DaemonError(
-                    f"this model's maximum context length is {self.window} tokens, but your request has "
+                    f"this model's maximum context length is {window} tokens, but your request has "
                     f"{total} tokens; shorten the prompt or drop earlier turns"
                 )
             if req.max_tokens == 0:
                 return Generation(None, lambda: None, Done([], 0, 0, 0))
             self._idle(s)
             writes: list[tuple[int, EventBody]] = []
-            if s.fingerprint != self.fingerprint:
-                writes.append((s.id, B.GenerationFingerprint(self.fingerprint)))
+            if s.fingerprint != runtime.fingerprint:
+                writes.append((s.id, B.GenerationFingerprint(runtime.fingerprint)))
             if opener:
                 writes.append((s.id, B.GenerationPrompt(opener)))
             if writes:
                 self.bus.publish(s.id, self.store.commit(writes))
-            splitter = ChannelSplitter(self.model.pieces, (THINK, self.template.call_markers))
+            splitter = ChannelSplitter(model.pieces, (THINK, template.call_markers))
             if not opener:
                 splitter.prime(_open_turn(s))
             listener = QueueListener()
@@ -560,20 +587,13 @@ class Daemon:
                 ignore_eos=bool(req.ignore_eos),
             )
             job = run.job
-            job.grammar = constraint
+            job.grammar = grammar
+            run.scheduler = scheduler = runtime.scheduler
             self.running[s.id] = run
             self.generations.add(run)
             self.metrics.generations.inc()
-        self.scheduler.submit(job)
-        return Generation(listener, lambda: self.scheduler.cancel(job))
-
-    def _opener(self, last_input: EventBody | None) -> list[int]:
-        """The assistant opener a generation needs, or none when it continues an open turn."""
-        if isinstance(last_input, B.Generated):
-            return self.template.separator() + self.template.opener() if last_input.finish in TURN_ENDED else []
-        if isinstance(last_input, (B.Message, B.ToolResult, B.Block)):
-            return self.template.opener()
-        return []
+        scheduler.submit(job)
+        return Generation(listener, lambda: scheduler.cancel(job))
 
     def _release(self, run: GenerationRun) -> None:
         """Committer thread: the run's last event is durable; the session takes requests again."""
@@ -588,7 +608,7 @@ class Daemon:
         if run is None:
             self._session(req.session)
             raise DaemonError(f"session {req.session} has no generation in flight")
-        self.scheduler.cancel(run.job)
+        run.cancel()
         return Response.Cancelling()
 
     # ---- scheduling ----
@@ -862,7 +882,7 @@ class Daemon:
         for target in targets:
             run = self.running.get(target)
             if run is not None:
-                self.scheduler.cancel(run.job)
+                run.cancel()
         deadline = time.monotonic() + PURGE_WAIT_S
         while any(t in self.running for t in targets):
             if time.monotonic() > deadline:
@@ -923,6 +943,15 @@ def _body_at(s: SessionState, event_id: int) -> EventBody | None:
     return s.events[event_id].body if 0 <= event_id < len(s.events) else None
 
 
+def _opener(template: ChatTemplate, last_input: EventBody | None) -> list[int]:
+    """The assistant opener a generation needs, or none when it continues an open turn."""
+    if isinstance(last_input, B.Generated):
+        return template.separator() + template.opener() if last_input.finish in TURN_ENDED else []
+    if isinstance(last_input, (B.Message, B.ToolResult, B.Block)):
+        return template.opener()
+    return []
+
+
 def _open_turn(s: SessionState) -> list[int]:
     """The tokens of the turn a continuation extends: from its opener, or after the last input turn."""
     tokens: list[int] = []
@@ -943,12 +972,3 @@ def _image_blob(payload: str) -> str | None:
     except (ValueError, AttributeError):
         return None
     return blob if isinstance(blob, str) else None
-
-
-def _fingerprint(model: Any, template: ChatTemplate) -> int:
-    """What generated a session's tokens: the model file and its template."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(str(model.name).encode())
-    digest.update(str(getattr(model, "size", 0)).encode())
-    digest.update(template.source.encode())
-    return int.from_bytes(digest.digest(), "little")

@@ -33,7 +33,7 @@ from .protocol.schema import (
     EventMsg,
     GenParams,
 )
-from .scheduler.scheduler import Job
+from .scheduler.scheduler import Job, Scheduler
 from .store.sessions import SessionStore
 
 log = logging.getLogger("superfluid.generation")
@@ -42,22 +42,17 @@ B = EventBody
 
 @dataclass(frozen=True)
 class Done:
-    """The generation ended; `events` are every event it delivered, in order."""
+    """The generation ended; `events` are every event it delivered, in order. A generation
+    that failed ends with finish 5 and says why in `error`."""
 
     events: list[EventMsg]
     tokens_generated: int
     finish: int
     warm_prefix: int
+    error: str | None = None
 
 
-@dataclass(frozen=True)
-class Failed:
-    """The generation ended in an error."""
-
-    message: str
-
-
-Outcome = Committed | Provisional | Done | Failed
+Outcome = Committed | Provisional | Done
 
 
 class Listener(Protocol):
@@ -106,6 +101,12 @@ class GenerationRun:
         self._pending: list[Piece] = []
         self.submitted = time.monotonic()
         self.first_commit: float | None = None
+        self.scheduler: Scheduler | None = None  # the one its job was submitted to
+
+    def cancel(self) -> None:
+        """Stop the generation at the next step (it ends with finish 4)."""
+        if self.scheduler is not None:
+            self.scheduler.cancel(self.job)
 
     @property
     def has_output(self) -> bool:
@@ -168,10 +169,8 @@ class GenerationRun:
         self.publisher.publish(self.session, events)
 
     def conclude(self) -> None:
-        if self.finish == FINISH_ERROR and self.error:
-            self.listener.put(Failed(self.error))
-        else:
-            self.listener.put(Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix))
+        error = (self.error or "generation failed") if self.finish == FINISH_ERROR else None
+        self.listener.put(Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix, error))
 
 
 def _tool_record(call_text: str) -> EventBody:
@@ -198,10 +197,10 @@ class Generations:
         with self._runs_lock:
             self._runs.append(run)
 
-    def on_tick(self) -> None:
-        """Scheduler thread, at the end of each tick: queue the tick's records for commit."""
+    def on_tick(self, scheduler: Scheduler) -> None:
+        """A scheduler's thread, at the end of each of its ticks: queue the tick's records for commit."""
         with self._runs_lock:
-            runs = list(self._runs)
+            runs = [run for run in self._runs if run.scheduler is scheduler]
         batch = []
         for run in runs:
             if not run.has_output:

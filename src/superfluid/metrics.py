@@ -7,14 +7,23 @@ exposition is rendered, so the hot loop never touches a metrics object.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .engine.channel import WorkerEngine
+
 QUEUE_LABELS = ("interactive_chat", "inline_completion", "foreground_agent", "background_agent")
+
+
+def read_metric(exposition: str, name: str) -> float:
+    """The sum of every sample of `name` (whatever its labels) in a text exposition; 0 when there is none."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-+0-9.eE]+|NaN|[+-]Inf)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(exposition))
 
 
 class _SchedulerCollector(Collector):
@@ -22,42 +31,57 @@ class _SchedulerCollector(Collector):
         self.daemon: Any = None
 
     def collect(self) -> Iterator[Any]:
+        """The scheduler's figures, one sample per loaded model (label `model`)."""
         if self.daemon is None:
             return
-        scheduler = self.daemon.scheduler
-        stats = scheduler.stats
-        for name, value, doc in (
-            ("ticks", stats.ticks, "Scheduler ticks run"),
-            ("steps", stats.steps, "llama_decode batches run"),
-            ("prefill_tokens", stats.prefill_tokens, "Prompt tokens prefilled"),
-            ("decode_tokens", stats.decode_tokens, "Tokens decoded after sampling"),
-            ("warm_prefix_tokens", stats.warm_prefix_tokens, "Prompt tokens seeded from the KV cache"),
-            ("cold_admissions", stats.cold_admissions, "Jobs admitted with nothing cached"),
-            ("preemptions", stats.preemptions, "Lanes preempted for a higher class"),
-            ("cache_evictions", stats.evictions, "Idle KV entries moved out of their slots"),
-            ("cache_exports", stats.exports, "Evicted prefixes exported to host memory"),
-            ("cache_imports", stats.imports, "Prefixes imported back from host memory"),
-            ("prefix_holds", stats.held_for_prefix, "Steps a job waited for a lane prefilling its prefix"),
+        runtimes = self.daemon.models.loaded()
+
+        def family(kind: type, name: str, doc: str, value: Callable[[Any], float]) -> Any:
+            metric = kind(f"superfluid_{name}", doc, labels=["model"])
+            for runtime in runtimes:
+                metric.add_metric([runtime.id], value(runtime.scheduler))
+            return metric
+
+        for name, field, doc in (
+            ("ticks", "ticks", "Scheduler ticks run"),
+            ("steps", "steps", "llama_decode batches run"),
+            ("prefill_tokens", "prefill_tokens", "Prompt tokens prefilled"),
+            ("decode_tokens", "decode_tokens", "Tokens decoded after sampling"),
+            ("warm_prefix_tokens", "warm_prefix_tokens", "Prompt tokens seeded from the KV cache"),
+            ("cold_admissions", "cold_admissions", "Jobs admitted with nothing cached"),
+            ("preemptions", "preemptions", "Lanes preempted for a higher class"),
+            ("cache_evictions", "evictions", "Idle KV entries moved out of their slots"),
+            ("cache_exports", "exports", "Evicted prefixes exported to host memory"),
+            ("cache_imports", "imports", "Prefixes imported back from host memory"),
+            ("worker_respawns", "respawns", "llama.cpp workers started again after one died"),
+            ("prefix_holds", "held_for_prefix", "Steps a job waited for a lane prefilling its prefix"),
         ):
-            yield CounterMetricFamily(f"superfluid_{name}", doc, value=value)
-        yield GaugeMetricFamily("superfluid_lanes_active", "Lanes running a job", value=stats.lanes_active)
-        yield GaugeMetricFamily("superfluid_lanes_total", "Lanes (--max-batch)", value=scheduler.max_lanes)
-        yield GaugeMetricFamily(
-            "superfluid_cache_entries", "Idle KV entries held for reuse", value=len(scheduler.cache)
-        )
-        host = scheduler.cache.host
-        yield GaugeMetricFamily("superfluid_host_cache_bytes", "Bytes of exported prefixes", value=host.bytes)
-        yield GaugeMetricFamily("superfluid_host_cache_budget_bytes", "--host-cache-mb in bytes", value=host.budget)
-        yield GaugeMetricFamily(
-            "superfluid_kv_slots", "KV slots (lanes and idle entries)", value=scheduler.context.shape.sequences
-        )
-        yield GaugeMetricFamily(
-            "superfluid_kv_slot_tokens", "Tokens per KV slot (--max-context)", value=scheduler.context.shape.window
-        )
-        depth = GaugeMetricFamily("superfluid_queue_depth", "Jobs waiting, by QoS class", labels=["class"])
-        for label, value in zip(QUEUE_LABELS, stats.queue_depth, strict=True):
-            depth.add_metric([label], value)
+            yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.stats, f))
+        for name, doc, value in (
+            ("lanes_active", "Lanes running a job", lambda s: s.stats.lanes_active),
+            ("lanes_total", "Lanes (--max-batch)", lambda s: s.max_lanes),
+            ("cache_entries", "Idle KV entries held for reuse", lambda s: len(s.cache)),
+            ("host_cache_bytes", "Bytes of exported prefixes", lambda s: s.cache.host.bytes),
+            ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.cache.host.budget),
+            ("kv_slots", "KV slots (lanes and idle entries)", lambda s: s.engine.shape.sequences),
+            ("kv_slot_tokens", "Tokens per KV slot (--max-context)", lambda s: s.engine.shape.window),
+        ):
+            yield family(GaugeMetricFamily, name, doc, value)
+        depth = GaugeMetricFamily("superfluid_queue_depth", "Jobs waiting, by QoS class", labels=["model", "class"])
+        for runtime in runtimes:
+            for label, value in zip(QUEUE_LABELS, runtime.scheduler.stats.queue_depth, strict=True):
+                depth.add_metric([runtime.id, label], value)
         yield depth
+        yield GaugeMetricFamily("superfluid_models_loaded", "Models with a running engine", value=len(runtimes))
+        workers = [r for r in runtimes if isinstance(r.engine, WorkerEngine)]
+        for name, doc, attr in (
+            ("worker_step_seconds", "Engine steps as the daemon timed them, worker channel included", "step_seconds"),
+            ("worker_compute_seconds", "The same steps timed inside the worker", "worker_seconds"),
+        ):
+            metric = CounterMetricFamily(f"superfluid_{name}", doc, labels=["model"])
+            for runtime in workers:
+                metric.add_metric([runtime.id], getattr(runtime.engine, attr))
+            yield metric
         yield GaugeMetricFamily(
             "superfluid_generations_running", "Generations in flight", value=len(self.daemon.running)
         )

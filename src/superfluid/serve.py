@@ -6,17 +6,12 @@ import asyncio
 import logging
 import signal
 import sys
-from dataclasses import dataclass
 
 from . import __version__
 from .config import ServeConfig
 from .daemon import Daemon
-from .engine.build import exactness_problems
-from .engine.llama import ContextShape, LlamaContext, LlamaModel
 from .metrics import Metrics
-from .model.resolve import resolve_model
-from .model.template import CHATML, ChatTemplate
-from .scheduler.scheduler import Scheduler
+from .runtime import Models
 from .store.sessions import SessionStore
 from .transports.chat_http import HttpPolicy
 from .transports.http import ApiServer
@@ -25,72 +20,26 @@ from .transports.web import WebServer, mint_token
 
 log = logging.getLogger("superfluid")
 
-# KV slots beyond the lanes: they keep finished prefixes for forks and continuations.
-SPARE_SLOTS = 4
-BATCH_TOKENS = 512
-
-
-@dataclass
-class Loaded:
-    """A model ready to serve: weights, template and the context that runs them."""
-
-    model: LlamaModel
-    template: ChatTemplate
-    context: LlamaContext
-    window: int
-    name: str
-
-
-def load(config: ServeConfig) -> Loaded:
-    resolved = resolve_model(config.model, offline=config.offline)
-    model = LlamaModel(resolved.path)
-    if config.fim_tokens is not None:
-        model.set_fim(*config.fim_tokens)
-    source = model.chat_template or CHATML
-    if model.chat_template is None:
-        log.warning("%s carries no chat template; using ChatML", resolved.path.name)
-    template = ChatTemplate(
-        source,
-        model.tokenize,
-        bos_text=model.token_text(model.bos) if model.bos >= 0 else "",
-        eos_text=model.token_text(model.eos) if model.eos >= 0 else "",
-        bos_token=model.bos if model.add_bos and model.bos >= 0 else None,
-    )
-    trained = model.n_ctx_train or 8192
-    window = config.max_context or min(trained, 8192)
-    if window > trained:
-        log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, resolved.name)
-    shape = ContextShape(
-        window=window,
-        sequences=min(config.max_batch + SPARE_SLOTS, 256),
-        batch=BATCH_TOKENS,
-        threads=config.threads,
-    )
-    context = LlamaContext(model, shape)
-    problems = exactness_problems()
-    if problems:
-        log.warning(
-            "this llama.cpp build lets the batch change a token's logits (%s): cut, resumed and forked greedy "
-            "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
-            "; ".join(problems),
-        )
-    return Loaded(model, template, context, window, resolved.name)
+IDLE_CHECK_S = 5.0
 
 
 async def serve(config: ServeConfig) -> int:
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
-    loaded = load(config)
+    models = Models(config)
+    for ref in config.models or [None]:
+        models.add(ref)
     store = SessionStore(config.sessions)
-    scheduler = Scheduler(
-        loaded.context,
-        lanes=config.max_batch,
-        window=loaded.window,
-        tick_ms=config.tick_ms,
-        host_cache_bytes=config.host_cache_mb << 20,
-    )
-    daemon = Daemon(store, loaded.model, loaded.template, scheduler, window=loaded.window, metrics=Metrics())
+    daemon = Daemon(store, models, metrics=Metrics())
+    try:
+        for model_id in list(models.known):  # every model named at start is loaded at start
+            models.runtime(model_id)
+    except BaseException:
+        daemon.stop()
+        store.close()
+        raise
+    default = daemon.runtime
     bumped = daemon.start()
     socket_server = SocketServer(daemon, config.socket)
     await socket_server.start()
@@ -102,14 +51,16 @@ async def serve(config: ServeConfig) -> int:
     api_server = None
     if not config.no_http:
         policy = HttpPolicy(config.http_default_qos, config.http_qos_header, config.http_allow_batch_invariant)
-        api_server = ApiServer(daemon, config.http, loaded.name, policy)
+        api_server = ApiServer(daemon, config.http, policy)
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
     print(
-        f"superfluid {__version__}: serving {loaded.name} ({loaded.model.path}) with {config.max_batch} lanes"
-        f" of {loaded.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
+        f"superfluid {__version__}: serving {default.id} ({default.model.path}) with {config.max_batch} lanes"
+        f" of {default.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
         flush=True,
     )
+    for other in models.loaded()[1:]:
+        print(f"also serving {other.id} ({other.model.path})", flush=True)
     if web_server is not None:
         print(f"web: {url}/web/ (token in {token_path})", flush=True)
     if api_server is not None:
@@ -120,9 +71,12 @@ async def serve(config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    idle = asyncio.create_task(_unload_idle(models, config.idle_timeout)) if config.idle_timeout else None
     try:
         await stop.wait()
     finally:
+        if idle is not None:
+            idle.cancel()
         log.info("stopping")
         daemon.bus.close()
         await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
@@ -134,6 +88,13 @@ async def serve(config: ServeConfig) -> int:
         daemon.stop()
         store.close()
     return 0
+
+
+async def _unload_idle(models: Models, idle_s: float) -> None:
+    """Unload the models (never the default) that served nothing for `idle_s` seconds."""
+    while True:
+        await asyncio.sleep(min(IDLE_CHECK_S, idle_s))
+        await asyncio.to_thread(models.unload_idle, idle_s)
 
 
 def run(config: ServeConfig) -> int:

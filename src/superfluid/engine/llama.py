@@ -13,7 +13,9 @@ the GIL while it runs.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -36,11 +38,16 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
+_errors: collections.deque[str] = collections.deque(maxlen=8)  # llama.cpp's last error lines, for reasons
+
+
 def _llama_log(level: int, text: bytes, _user: object) -> None:
     if level < 3:  # below GGML_LOG_LEVEL_WARN: llama.cpp's load chatter stays out of our log
         return
     message = text.decode("utf-8", "replace").rstrip()
     if message:
+        if level == 4:  # GGML_LOG_LEVEL_ERROR
+            _errors.append(message)
         log.debug("llama.cpp: %s", message)
 
 
@@ -65,15 +72,17 @@ class KVFull(EngineError):
 
 
 class LlamaModel:
-    """The weights and vocabulary of one GGUF file."""
+    """The weights and vocabulary of one GGUF file; `vocab_only` loads the vocabulary and
+    metadata alone (what the daemon needs when a worker runs the weights)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
         _backend_init()
         self.path = path
         params = L.llama_model_default_params()
+        params.vocab_only = vocab_only
         self._model = L.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
-            raise EngineError(f"llama.cpp could not load {path} (is it a GGUF model file?)")
+            raise EngineError(f"llama.cpp could not load {path}: {_load_failure(path)}")
         self._vocab = L.llama_model_get_vocab(self._model)
         self.metadata = self._read_metadata()
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
@@ -84,8 +93,6 @@ class LlamaModel:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self.name = self.metadata.get("general.name") or path.stem
         self.chat_template = self.metadata.get("tokenizer.chat_template")
-        self.pieces = [self._piece(t, special=False) for t in range(self.n_vocab)]
-        self.special_pieces = [self._piece(t, special=True) for t in range(self.n_vocab)]
         self.end_of_generation = np.array(
             [bool(L.llama_vocab_is_eog(self._vocab, t)) for t in range(self.n_vocab)], dtype=bool
         )
@@ -94,6 +101,16 @@ class LlamaModel:
             "suffix": L.llama_vocab_fim_suf(self._vocab),
             "middle": L.llama_vocab_fim_mid(self._vocab),
         }
+
+    @functools.cached_property
+    def pieces(self) -> list[bytes]:
+        """Each token's bytes as text, control tokens empty."""
+        return [self._piece(t, special=False) for t in range(self.n_vocab)]
+
+    @functools.cached_property
+    def special_pieces(self) -> list[bytes]:
+        """Each token's bytes, control tokens spelled out (`<|im_end|>`)."""
+        return [self._piece(t, special=True) for t in range(self.n_vocab)]
 
     def set_fim(self, prefix: int, suffix: int, middle: int) -> None:
         """Name the fill-in-the-middle marker tokens when the GGUF's metadata does not."""
@@ -149,6 +166,20 @@ class LlamaModel:
         if self._model:
             L.llama_model_free(self._model)
             self._model = None
+
+
+def _load_failure(path: Path) -> str:
+    """Why a file did not load, as far as we can tell without llama.cpp's log."""
+    if not path.is_file():
+        return "no such file"
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        return f"not a GGUF file (it starts with {magic!r})"
+    said = [m for m in _errors if "error loading model" in m] or list(_errors)
+    if said:
+        return said[-1].split(": ", 1)[-1] if "error loading model" in said[-1] else said[-1]
+    return "llama.cpp refused it (a truncated or damaged GGUF, or an architecture this build does not know)"
 
 
 def logit_skew(n_vocab: int) -> np.ndarray | None:

@@ -61,6 +61,10 @@ def render() -> str:
         "declaration both codecs use. The index is the postcard discriminant; fields are in wire order.",
         'In JSON an enum is `{"Variant": {fields}}`, or the bare string `"Variant"` when it has no fields.',
         "",
+        "Every session runs on the daemon's default model: the first one `superfluid serve` names (its",
+        "`MODEL` argument or first `--model`). The other models serve the HTTP routes, which pick one by",
+        "the request's `model` field.",
+        "",
     ]
     for enum in ENUMS:
         shape = shape_of(enum)

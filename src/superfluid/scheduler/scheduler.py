@@ -40,9 +40,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..engine.grammar import Grammar
-from ..engine.llama import EngineError, KVFull, LlamaContext
-from ..engine.sampling import sample
+from ..engine.grammar import GrammarError
+from ..engine.llama import EngineError, KVFull
+from ..engine.local import Draw, Engine, Step, WorkerGone
 from ..protocol.schema import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -101,7 +101,8 @@ class Job:
     batch_invariant: bool = False
     prefill_only: bool = False
     ignore_eos: bool = False  # end-of-generation tokens are never drawn: the job runs to max_tokens
-    grammar: Grammar | None = None
+    grammar: str | None = None  # GBNF every token must follow; the engine holds its state
+    grammar_handle: int = 0
     cancelled: bool = False
     warm_prefix: int = 0
     generated: int = 0
@@ -141,6 +142,7 @@ class SchedulerStats:
     evictions: int = 0
     exports: int = 0
     imports: int = 0
+    respawns: int = 0
     queue_depth: list[int] = field(default_factory=lambda: [0] * QOS_CLASSES)
     lanes_active: int = 0
 
@@ -160,7 +162,7 @@ class Scheduler:
 
     def __init__(
         self,
-        context: LlamaContext,
+        engine: Engine,
         *,
         lanes: int,
         window: int,
@@ -169,8 +171,8 @@ class Scheduler:
         on_tick: Callable[[], None] = lambda: None,
         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
-        self.context = context
-        self.max_lanes = min(lanes, context.shape.sequences)
+        self.engine = engine
+        self.max_lanes = min(lanes, engine.shape.sequences)
         self.window = window
         self.tick_s = tick_ms / 1000.0
         self.on_tick = on_tick
@@ -184,9 +186,10 @@ class Scheduler:
         self._queue: list[Job] = []
         self._order = itertools.count()
         self._admissions = itertools.count()
-        self._free_seqs = list(range(context.shape.sequences - 1, -1, -1))
+        self._free_seqs = list(range(engine.shape.sequences - 1, -1, -1))
         self._cv = threading.Condition()
         self._stopping = False
+        self._worker_gone = False
         self._thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
     # ---- called from other threads ----
@@ -194,11 +197,24 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, why: str = "the model was unloaded") -> None:
+        """Stop the thread; every job still running or waiting ends with finish 5 and `why`."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._fail_all(why)
+        with self._cv:
+            waiting, self._queue = self._queue, []
+        for job in waiting:
+            self._finish(job, FINISH_ERROR, f"generation failed: {why}")
+        self.on_tick()  # what the failed jobs leave is committed
+
+    def queued(self) -> int:
+        """Jobs waiting for a lane."""
+        with self._cv:
+            return len(self._queue)
 
     def submit(self, job: Job) -> None:
         if len(job.tokens) >= self.window:
@@ -229,20 +245,53 @@ class Scheduler:
 
     # ---- the scheduler thread ----
 
+    def worker_died(self) -> None:
+        """The engine's worker process is gone (called from its watcher): recover at once."""
+        with self._cv:
+            self._worker_gone = True
+            self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self.lanes and not self._queue:
+                while not self._stopping and not self.lanes and not self._queue and not self._worker_gone:
                     self._cv.wait()
                 if self._stopping:
                     return
             try:
+                if self._worker_gone:
+                    raise WorkerGone("the model's worker stopped")
                 self._tick()
+            except WorkerGone as e:
+                self._recover(str(e))
             except Exception:
                 log.exception("scheduler tick failed")
                 self._fail_all("scheduler fault")
             self.stats.ticks += 1
             self.on_tick()
+
+    def _recover(self, why: str) -> None:
+        """The worker died: every generation it held ends with finish 5, its slots are empty, a new one starts."""
+        with self._cv:
+            cut = [job for job in self._queue if job.admitted]  # preempted mid-generation: their KV is gone too
+            for job in cut:
+                self._queue.remove(job)
+        cut += [lane.job for lane in self.lanes]
+        self.lanes.clear()
+        self.stats.lanes_active = 0
+        for job in cut:
+            job.grammar_handle = 0  # the grammar went with the worker
+            self._finish(job, FINISH_ERROR, f"generation failed: {why}")
+        self.cache.entries.clear()
+        self._free_seqs = list(range(self.engine.shape.sequences - 1, -1, -1))
+        while not self._stopping:
+            try:
+                self.engine.restart()
+                break
+            except EngineError as e:
+                log.error("a new llama.cpp worker did not start: %s", e)
+        self._worker_gone = False
+        self.stats.respawns += 1
 
     def _tick(self) -> None:
         started = time.monotonic()
@@ -292,9 +341,13 @@ class Scheduler:
                 self._queue.remove(job)
             try:
                 self.lanes.append(self._seed(job))
+            except WorkerGone:
+                with self._cv:
+                    self._queue.append(job)  # it waits for the next worker
+                raise
             except EngineError as e:
                 self._finish(job, FINISH_ERROR, f"generation failed: {e}")
-            if self.context.copy_pending:
+            if self.engine.copy_pending:
                 break  # the copy runs at the next decode; later admissions may move its slots
         with self._cv:
             depth = [0] * QOS_CLASSES
@@ -338,7 +391,7 @@ class Scheduler:
         seed = self.cache.lookup(tokens, running, self.now_ms())
         if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
             return False
-        if len(self.lanes) == self.max_lanes and len(self.lanes) < self.context.shape.sequences:
+        if len(self.lanes) == self.max_lanes and len(self.lanes) < self.engine.shape.sequences:
             return True
         klass = self._class_now(job)
         candidates = [
@@ -376,8 +429,8 @@ class Scheduler:
         if hosted is not None and hosted[1] > (seed.length if seed else 0) + EXPORT_MIN_TOKENS:
             seq = self._free_seq()
             entry, length = hosted
-            self.context.restore(seq, entry.state)
-            self.context.truncate(seq, length)
+            self.engine.restore(seq, entry.state)
+            self.engine.truncate(seq, length)
             self.stats.imports += 1
             source = f"{length} warm from host memory"
         else:
@@ -390,14 +443,21 @@ class Scheduler:
             if seed is not None and seed.take:
                 seq = seed.seq
                 self.cache.remove(seq)
-                self.context.truncate(seq, seed.length)
+                self.engine.truncate(seq, seed.length)
             else:
                 seq = self._free_seq(spare=seed.seq if seed is not None else None)
                 if seed is not None:
-                    self.context.copy(seed.seq, seq, seed.length)
+                    self.engine.copy(seed.seq, seq, seed.length)
                     self.cache.touch(seed.seq)
             length = seed.length if seed is not None else 0
             source = "cold" if seed is None else f"{length} warm from slot {seed.seq}"
+        if job.grammar is not None and not job.grammar_handle:
+            try:
+                job.grammar_handle = self.engine.open_grammar(job.grammar)
+            except GrammarError as e:
+                self._free_seqs.append(seq)
+                self.engine.truncate(seq, 0)
+                raise EngineError(str(e)) from None
         log.debug("admit %d tokens (class %d) on slot %d: %s", len(tokens), job.qos, seq, source)
         if not job.admitted:
             job.warm_prefix = length
@@ -453,9 +513,9 @@ class Scheduler:
         """Empty an idle entry's slot, exporting the entry to host memory when it is worth it."""
         entry = self.cache.remove(victim)
         if len(entry.tokens) >= EXPORT_MIN_TOKENS and self.cache.host.budget:
-            self.cache.host.add(entry.tokens, self.context.export(victim))
+            self.cache.host.add(entry.tokens, self.engine.export(victim))
             self.stats.exports += 1
-        self.context.truncate(victim, 0)
+        self.engine.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
 
@@ -475,16 +535,19 @@ class Scheduler:
         seqs = np.concatenate([np.full(len(chunk), lane.seq, dtype=np.int32) for lane, chunk, _ in plan])
         want = np.zeros(len(tokens), dtype=np.int8)
         owners = []
+        draws = []
         end = 0
-        for lane, chunk, _ in plan:
+        for lane, chunk, start in plan:
             end += len(chunk)
             if len(chunk) == len(lane.feed) and not lane.job.prefill_only:
                 want[end - 1] = 1
                 owners.append(lane)
+                job = lane.job
+                draws.append(Draw(job.params, start + len(chunk), job.ignore_eos, job.grammar_handle))
         while True:
             try:
                 started = time.perf_counter()
-                logits = self.context.decode(tokens, positions, seqs, want)
+                drawn = self.engine.step(Step(tokens, positions, seqs, want, draws))
                 took = time.perf_counter() - started
                 if len(tokens) >= MIN_PREFILL + len(owners):
                     # attention makes a token dearer as its lane grows: follow the cost closely
@@ -496,6 +559,8 @@ class Scheduler:
                 if self._evict():
                     continue
                 return self._shed(plan)
+            except WorkerGone:
+                raise
             except EngineError as e:
                 for lane, _, _ in plan:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
@@ -508,8 +573,8 @@ class Scheduler:
                 self.stats.decode_tokens += len(chunk)
             else:
                 self.stats.prefill_tokens += len(chunk)
-        for row, lane in enumerate(owners):
-            finished |= self._advance(lane, logits[row])
+        for lane, token in zip(owners, drawn, strict=True):
+            finished |= self._advance(lane, token)
         return finished | self._retire_prefilled()
 
     def _retire_prefilled(self) -> bool:
@@ -532,7 +597,7 @@ class Scheduler:
             plan.append((lane, lane.feed[:1], len(lane.held)))
         step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
         budget = max(MIN_PREFILL, int(step / self._token_cost) - len(decoding))
-        budget = min(budget, self.context.shape.batch - len(decoding))
+        budget = min(budget, self.engine.shape.batch - len(decoding))
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
@@ -547,24 +612,13 @@ class Scheduler:
             budget -= take
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
-    def _advance(self, lane: Lane, logits: np.ndarray) -> bool:
-        """Sample the lane's next token; returns True when the tick should end (its job is over, or began)."""
+    def _advance(self, lane: Lane, token: int) -> bool:
+        """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
         job = lane.job
         position = len(lane.held)
-        grammar = job.grammar
-        if job.ignore_eos and grammar is None:  # a grammar decides for itself when it is complete
-            logits[self.context.model.end_of_generation] = -np.inf
-        if grammar is None:
-            token = sample(logits, job.params, position)
-        else:
-            token = int(np.argmax(logits))
-            if job.params.temperature > 0 or not grammar.allows(token):
-                token = sample(grammar.mask(logits), job.params, position)
-        if self.context.model.end_of_generation[token]:
-            self._retire(lane, FINISH_STOP if grammar is None else FINISH_GRAMMAR)
+        if self.engine.end_of_generation[token]:
+            self._retire(lane, FINISH_STOP if job.grammar is None else FINISH_GRAMMAR)
             return True
-        if grammar is not None:
-            grammar.accept(token)
         job.generated += 1
         job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
@@ -580,7 +634,7 @@ class Scheduler:
         self._retire(
             lane,
             FINISH_ERROR,
-            f"the KV slot of this generation ({self.context.shape.window} tokens) is full; "
+            f"the KV slot of this generation ({self.engine.shape.window} tokens) is full; "
             "start the daemon with a larger --max-context",
             keep=False,
         )
@@ -591,15 +645,21 @@ class Scheduler:
         if keep and lane.held:
             self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
         else:
-            self.context.truncate(lane.seq, 0)
+            self.engine.truncate(lane.seq, 0)
             self._free_seqs.append(lane.seq)
         self.stats.lanes_active = len(self.lanes)
         self._finish(lane.job, finish, error)
 
     def _finish(self, job: Job, finish: int, error: str | None = None) -> None:
         job.done = True
-        if job.grammar is not None:
-            job.grammar.close()
+        if job.grammar_handle:
+            handle, job.grammar_handle = job.grammar_handle, 0
+            try:
+                self.engine.close_grammar(handle)
+            except WorkerGone:
+                self._worker_gone = True  # noticed here; recovered after this tick
+            except EngineError:
+                log.exception("closing a grammar failed")
         job.sink.finished(job, finish, error)
 
     def _fail_all(self, why: str) -> None:

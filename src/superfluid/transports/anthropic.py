@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from .chat_http import HttpPolicy, collect, scheduling
+from .chat_http import HttpPolicy, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling, text_of
 
 _ids = itertools.count(1)
@@ -101,7 +101,7 @@ def stop_reason(outcome: Outcome) -> str:
     return "stop_sequence" if outcome.stopped_by else STOP_REASONS.get(outcome.finish, "end_turn")
 
 
-def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
+def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/messages")
@@ -118,13 +118,13 @@ def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request)
+            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
         except ChatError as e:
             return error(str(e), e.status, "permission_error" if e.status == 403 else "invalid_request_error")
         except ToolDeclarationError as e:
             return error(str(e))
         reply_id = f"msg_superfluid_{next(_ids)}"
-        name = body.model or model_name
+        name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_stream(run, reply_id, name), media_type="text/event-stream")
         reply = await collect(run, http)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from ..chat import ChatError, ChatRun, Collected
+from ..daemon import Daemon
 from ..protocol.schema import QOS_AGENT, qos_class
+from ..runtime import ModelError, Runtime
 
 QOS_HEADER = "x-superfluid-qos"
 INVARIANT_HEADER = "x-superfluid-batch-invariant"
@@ -29,6 +31,18 @@ class HttpPolicy:
     default_qos: int = QOS_AGENT
     qos_header: bool = True  # False: every request runs in default_qos, whatever it claims
     allow_batch_invariant: bool = False
+
+
+async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
+    """The loaded model a request names (loading it if need be); ChatError 404 for one not known here."""
+    model_id = daemon.models.find(name)
+    if model_id is None:
+        known = ", ".join(daemon.models.known)
+        raise ChatError(f"model {name!r} is not served here; known models: {known}", 404, "model_not_found")
+    try:
+        return await asyncio.to_thread(daemon.models.runtime, model_id)
+    except ModelError as e:
+        raise ChatError(str(e), e.status, "model_load_failed") from None
 
 
 def scheduling(request: Request, policy: HttpPolicy) -> tuple[int, bool]:

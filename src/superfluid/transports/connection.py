@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from ..bus import END_UNSUBSCRIBED, SubEnded, Subscription
 from ..daemon import Daemon, DaemonError, Generation
-from ..generation import Committed, Done, Failed
+from ..generation import Committed, Done
 from ..protocol.schema import Request, Response
 from ..ratelimit import TokenBucket, retry_after_ms
 
@@ -62,8 +62,6 @@ class Connection:
                             outcome.events, outcome.tokens_generated, outcome.finish, outcome.warm_prefix
                         )
                     )
-                elif isinstance(outcome, Failed):
-                    await self.send(Response.Err(outcome.message))
         finally:
             self._generation = None
 

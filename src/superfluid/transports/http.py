@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
-from . import anthropic, ollama, openai
+from . import anthropic, models, ollama, openai
 from .chat_http import HttpPolicy
 from .listener import HttpListener, split_address
 
@@ -41,7 +41,7 @@ def _host_of(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def create_app(daemon: Daemon, model_name: str, loopback: bool, policy: HttpPolicy) -> FastAPI:
+def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
     app = FastAPI(title="superfluid", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -68,23 +68,24 @@ def create_app(daemon: Daemon, model_name: str, loopback: bool, policy: HttpPoli
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "models_loaded": 1, "models_known": 1}
+        return {"status": "ok", "models_loaded": len(daemon.models.loaded()), "models_known": len(daemon.models.known)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(daemon.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    app.include_router(openai.router(daemon, model_name, policy))
-    app.include_router(anthropic.router(daemon, model_name, policy))
-    app.include_router(ollama.router(daemon, model_name, policy))
+    app.include_router(models.router(daemon))
+    app.include_router(openai.router(daemon, policy))
+    app.include_router(anthropic.router(daemon, policy))
+    app.include_router(ollama.router(daemon, policy))
     return app
 
 
 class ApiServer(HttpListener):
     """The OpenAI, Anthropic and Ollama routes on `--http`."""
 
-    def __init__(self, daemon: Daemon, address: str, model_name: str, policy: HttpPolicy) -> None:
+    def __init__(self, daemon: Daemon, address: str, policy: HttpPolicy) -> None:
         host, port = split_address(address)
         loopback = _loopback_name(host)
-        super().__init__(create_app(daemon, model_name, loopback, policy), host, port, "the HTTP API")
+        super().__init__(create_app(daemon, loopback, policy), host, port, "the HTTP API")
         self.loopback = loopback

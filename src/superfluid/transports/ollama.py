@@ -7,6 +7,7 @@ last with `"done": true`, `done_reason`, and the token counts
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -22,15 +23,24 @@ from .. import __version__
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from .chat_http import HttpPolicy, collect, scheduling
+from ..runtime import ModelError, Runtime
+from .chat_http import HttpPolicy, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling
 
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
 
 
+class ShowBody(Body):
+    """The body of POST /api/show."""
+
+    model: str | None = None
+    name: str | None = None
+
+
 class ChatBody(Body):
     """The body of POST /api/chat."""
 
+    keep_alive: int | float | str | None = None
     model: str | None = None
     messages: list[dict[str, Any]] = []
     stream: bool = True
@@ -42,6 +52,7 @@ class ChatBody(Body):
 class GenerateBody(Body):
     """The body of POST /api/generate."""
 
+    keep_alive: int | float | str | None = None
     model: str | None = None
     prompt: str = ""
     system: str | None = None
@@ -60,7 +71,7 @@ def _now() -> str:
 
 
 def _request(
-    daemon: Daemon,
+    runtime: Runtime,
     http: Request,
     policy: HttpPolicy,
     messages: list[dict[str, Any]],
@@ -72,8 +83,8 @@ def _request(
     unknown = sorted(set(options) - OPTIONS)
     if unknown:
         raise ChatError(f"unsupported option: {unknown[0]}")
-    if options.get("num_ctx") not in (None, daemon.window):
-        raise ChatError(f"num_ctx must be the server's window, {daemon.window}; start superfluid with --max-context")
+    if options.get("num_ctx") not in (None, runtime.window):
+        raise ChatError(f"num_ctx must be the server's window, {runtime.window}; start superfluid with --max-context")
     qos, invariant = scheduling(http, policy)
     seed = options.get("seed")
     predict = options.get("num_predict")
@@ -97,10 +108,39 @@ def _request(
     )
 
 
-def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
+def _tag(model_id: str) -> str:
+    return model_id if ":" in model_id.split("/")[-1] else f"{model_id}:latest"
+
+
+def _entry(daemon: Daemon, model_id: str) -> dict[str, Any]:
+    path = daemon.models.known[model_id].path
+    return {
+        "name": _tag(model_id),
+        "model": _tag(model_id),
+        "modified_at": datetime.fromtimestamp(path.stat().st_mtime, tz=UTC).isoformat().replace("+00:00", "Z"),
+        "size": path.stat().st_size,
+        "digest": hashlib.sha256(str(path).encode()).hexdigest(),
+        "details": {"format": "gguf"},
+    }
+
+
+async def _keep_alive(daemon: Daemon, model: str | None, keep_alive: Any) -> str | None:
+    """Ollama's keep_alive on a request with nothing to generate: 0 unloads the model, anything else loads it."""
+    model_id = daemon.models.find(model)
+    if model_id is None:
+        raise ChatError(f"model {model!r} is not served here; known models: {', '.join(daemon.models.known)}", 404)
+    if keep_alive in (0, "0", "0s", "0m"):
+        try:
+            await asyncio.to_thread(daemon.models.unload, model_id)
+        except ModelError as e:
+            raise ChatError(str(e), e.status) from None
+        return "unload"
+    await runtime_for(daemon, model_id)
+    return "load"
+
+
+def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
-    tag = model_name if ":" in model_name.split("/")[-1] else f"{model_name}:latest"
-    digest = hashlib.sha256(model_name.encode()).hexdigest()
 
     @api.get("/")
     async def root() -> Response:
@@ -112,39 +152,36 @@ def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
 
     @api.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        entry = {
-            "name": tag,
-            "model": tag,
-            "modified_at": _now(),
-            "size": daemon.model.size,
-            "digest": digest,
-            "details": {},
-        }
-        return {"models": [entry]}
+        return {"models": [_entry(daemon, model_id) for model_id in daemon.models.known]}
 
     @api.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        entry = {
-            "name": tag,
-            "model": tag,
-            "size": daemon.model.size,
-            "digest": digest,
-            "context_length": daemon.window,
-        }
-        return {"models": [entry]}
+        return {"models": [{**_entry(daemon, r.id), "context_length": r.window} for r in daemon.models.loaded()]}
 
     @api.post("/api/show")
-    async def show() -> dict[str, Any]:
-        return {
-            "template": daemon.template.source,
-            "details": {"format": "gguf"},
-            "model_info": {"general.name": daemon.model.name, "context_length": daemon.window},
-            "capabilities": ["completion", "tools"],
-        }
+    async def show(body: ShowBody) -> Response:
+        try:
+            runtime = await runtime_for(daemon, body.model or body.name)
+        except ChatError as e:
+            return error(str(e), e.status)
+        return JSONResponse(
+            {
+                "template": runtime.template.source,
+                "details": {"format": "gguf"},
+                "model_info": {"general.name": runtime.model.name, "context_length": runtime.window},
+                "capabilities": ["completion", "tools"],
+            }
+        )
 
     @api.post("/api/chat")
     async def chat(body: ChatBody, http: Request) -> Response:
         try:
+            if not body.messages and body.keep_alive is not None:
+                done = await _keep_alive(daemon, body.model, body.keep_alive)
+                message = {"role": "assistant", "content": ""}
+                return JSONResponse(
+                    {"model": body.model, "created_at": _now(), "message": message, "done": True, "done_reason": done}
+                )
             messages = []
             for m in body.messages:
                 if m.get("images"):
@@ -153,37 +190,37 @@ def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
                 if m.get("tool_calls"):
                     converted["tool_calls"] = m["tool_calls"]
                 messages.append(converted)
+            runtime = await runtime_for(daemon, body.model)
+            tools = normalize_tools(body.tools or [])
             run = ChatRun(
-                daemon,
-                _request(
-                    daemon, http, policy, messages, body.options, body.format, tools=normalize_tools(body.tools or [])
-                ),
+                daemon, _request(runtime, http, policy, messages, body.options, body.format, tools=tools), runtime
             )
         except ChatError as e:
             return error(str(e), e.status)
         except ToolDeclarationError as e:
             return error(str(e))
-        name = body.model or tag
-        return await _respond(run, http, name, body.stream, chat=True)
+        return await _respond(run, http, body.model or _tag(runtime.id), body.stream, chat=True)
 
     @api.post("/api/generate")
     async def generate(body: GenerateBody, http: Request) -> Response:
-        if not body.prompt:
-            return JSONResponse(
-                {"model": body.model or tag, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-            )
         try:
+            if not body.prompt:
+                done = await _keep_alive(daemon, body.model, body.keep_alive)
+                return JSONResponse(
+                    {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": done}
+                )
+            runtime = await runtime_for(daemon, body.model)
             if body.raw:
-                request = _request(daemon, http, policy, [], body.options, body.format, prompt=body.prompt)
+                request = _request(runtime, http, policy, [], body.options, body.format, prompt=body.prompt)
             else:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                     {"role": "user", "content": body.prompt}
                 ]
-                request = _request(daemon, http, policy, messages, body.options, body.format)
-            run = ChatRun(daemon, request)
+                request = _request(runtime, http, policy, messages, body.options, body.format)
+            run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
-        return await _respond(run, http, body.model or tag, body.stream, chat=False)
+        return await _respond(run, http, body.model or _tag(runtime.id), body.stream, chat=False)
 
     return api
 

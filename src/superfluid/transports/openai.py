@@ -24,7 +24,7 @@ from ..chat import ChatError, ChatRequest, ChatRun, Outcome, seed_for
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
-from .chat_http import HttpPolicy, collect, scheduling
+from .chat_http import HttpPolicy, collect, runtime_for, scheduling
 
 _ids = itertools.count(1)
 
@@ -137,25 +137,8 @@ def usage(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
+def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
-
-    def model_entry() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "superfluid",
-            "meta": {"n_ctx": daemon.window},
-        }
-
-    @api.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_entry()]}
-
-    @api.get("/v1/models/{model:path}")
-    async def model(model: str) -> Response:
-        return JSONResponse(model_entry())
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
@@ -184,13 +167,13 @@ def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request)
+            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
             return error(str(e), e.status, e.code)
         reply_id = f"chatcmpl-superfluid-{next(_ids)}"
-        name = body.model or model_name
+        name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_chat_stream(run, reply_id, name), media_type="text/event-stream")
         return await _chat_reply(run, http, reply_id, name)
@@ -211,11 +194,11 @@ def router(daemon: Daemon, model_name: str, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request)
+            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
         except ChatError as e:
             return error(str(e), e.status, e.code)
         reply_id = f"cmpl-superfluid-{next(_ids)}"
-        name = body.model or model_name
+        name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
         reply = await collect(run, http)

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..daemon import STREAMED, Daemon, DaemonError
-from ..generation import Committed, Done, Failed, Provisional
+from ..generation import Committed, Done, Provisional
 from ..protocol import jsoncodec
 from ..protocol.schema import Request
 from ..protocol.schema import Response as Reply
@@ -273,12 +273,11 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
                     yield _frame({"committed": jsoncodec.to_json(outcome.event)})
             elif isinstance(outcome, Done):
                 ended = True
-                done = {"tokens_generated": outcome.tokens_generated, "finish": outcome.finish}
-                yield _frame({"done": {**done, "warm_prefix": outcome.warm_prefix}})
-                break
-            elif isinstance(outcome, Failed):
-                ended = True
-                yield _frame({"error": outcome.message})
+                if outcome.error is not None:
+                    yield _frame({"error": outcome.error})
+                else:
+                    done = {"tokens_generated": outcome.tokens_generated, "finish": outcome.finish}
+                    yield _frame({"done": {**done, "warm_prefix": outcome.warm_prefix}})
                 break
         yield "data: [DONE]\n\n"
     finally:

@@ -1,0 +1,225 @@
+"""The daemon's side of a worker: an `Engine` whose llama.cpp runs in another process.
+
+`WorkerEngine` starts `superfluid-worker-llamacpp` on a socket pair, in the daemon's
+process group, with the daemon's environment minus anything that looks like a credential.
+Every engine call is one frame out and one back. When the worker dies, the call in flight
+raises `WorkerGone` (the channel reads end of file), and a watcher thread notices a death
+between calls at once; `restart` starts another worker, waiting longer each time one dies
+soon after the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import wire
+from .grammar import GrammarError
+from .llama import ContextShape, EngineError, KVFull
+from .local import Step, WorkerGone
+
+log = logging.getLogger("superfluid.engine")
+
+COMMAND = "superfluid-worker-llamacpp"
+READY_TIMEOUT_S = 600.0
+# environment variables a worker does not get: it runs a model file, it needs no secrets
+_SECRET = re.compile(r"(_TOKEN$|_API_KEY$|KEY|PASSWORD|SECRET)", re.IGNORECASE)
+
+
+class WorkerFailed(EngineError):
+    """A worker could not start: the text is its reason (llama.cpp's, for a model that does not load)."""
+
+
+def worker_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
+
+
+def _command() -> list[str]:
+    beside = Path(sys.executable).parent / COMMAND
+    found = str(beside) if beside.exists() else shutil.which(COMMAND)
+    return [found] if found else [sys.executable, "-m", "superfluid.engine.worker"]
+
+
+def describe_exit(status: int | None) -> str:
+    if status is None:
+        return "it closed its channel"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+class WorkerEngine:
+    """A llama.cpp context in a worker process, driven over its channel."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        shape: ContextShape,
+        end_of_generation: np.ndarray,
+        *,
+        on_death: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.model_path = model_path
+        self.shape = shape
+        self.end_of_generation = end_of_generation
+        self.on_death = on_death
+        self.respawns = 0
+        self.pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._channel: socket.socket | None = None
+        self._copying = False
+        self._deaths: list[float] = []  # deaths of workers that never finished a step
+        self._served = False
+        self._stopping = False
+        # a step's time in all, and its time inside the worker: the difference is the channel's cost
+        self.step_seconds = 0.0
+        self.worker_seconds = 0.0
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        """Start a worker and wait until its model is loaded; WorkerFailed with its reason otherwise."""
+        ours, theirs = socket.socketpair()
+        command = [*_command(), "--fd", str(theirs.fileno()), "--model", str(self.model_path)]
+        command += ["--window", str(self.shape.window), "--sequences", str(self.shape.sequences)]
+        command += ["--batch", str(self.shape.batch), "--threads", str(self.shape.threads)]
+        try:
+            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=worker_environment())
+        finally:
+            theirs.close()
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            kind, payload = wire.receive(ours)
+        except (wire.ChannelClosed, TimeoutError) as e:
+            proc.kill()
+            ours.close()
+            raise WorkerFailed(f"the llama.cpp worker did not start ({describe_exit(proc.wait())}): {e}") from None
+        if kind != wire.READY:
+            proc.wait()
+            ours.close()
+            raise WorkerFailed(bytes(payload).decode("utf-8", "replace"))
+        ours.settimeout(None)
+        self._proc, self._channel, self.pid, self._copying, self._served = proc, ours, proc.pid, False, False
+        threading.Thread(target=self._watch, args=(proc,), name="superfluid-worker-watch", daemon=True).start()
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        status = proc.wait()
+        if not self._stopping and proc is self._proc:
+            log.error("the llama.cpp worker (pid %d) died: %s", proc.pid, describe_exit(status))
+            self.on_death()
+
+    def restart(self) -> None:
+        """Start a new worker after one died.
+
+        A worker that had served steps comes back at once: whatever killed it (the OOM killer, a
+        crash on one request, whose job has failed) is gone. Workers that die before their first
+        step are a loop, and each waits longer than the last.
+        """
+        if self._channel is not None:
+            self._channel.close()
+        now = time.monotonic()
+        self._deaths = [] if self._served else [t for t in self._deaths if now - t < 60] + [now]
+        delay = min(30.0, 0.25 * 2 ** (len(self._deaths) - 1)) if len(self._deaths) > 1 else 0.0
+        if delay:
+            log.warning("workers keep dying (%d in a minute): waiting %.1f s before the next", len(self._deaths), delay)
+            time.sleep(delay)
+        self.start()
+        self.respawns += 1
+        log.info("a new llama.cpp worker (pid %d) serves %s", self.pid, self.model_path.name)
+
+    def close(self) -> None:
+        """Stop the worker: it reads the end of its channel and exits."""
+        self._stopping = True
+        if self._channel is not None:
+            self._channel.close()  # the worker reads end of file and exits
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def exit_description(self) -> str:
+        status = None
+        if self._proc is not None:
+            try:
+                status = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+        return describe_exit(status)
+
+    # ---- calls ----
+
+    def _call(self, kind: int, payload: bytes = b"") -> memoryview:
+        if self._channel is None:
+            raise WorkerGone("no llama.cpp worker is running")
+        try:
+            wire.send(self._channel, kind, payload)
+            reply, body = wire.receive(self._channel)
+        except (wire.ChannelClosed, OSError):
+            raise WorkerGone(f"the model's worker stopped ({self.exit_description()})") from None
+        if reply == wire.OK:
+            return body
+        message = bytes(body).decode("utf-8", "replace")
+        if reply == wire.KV_FULL:
+            raise KVFull(message)
+        if kind == wire.OPEN_GRAMMAR:
+            raise GrammarError(message)
+        raise EngineError(message)
+
+    @property
+    def copy_pending(self) -> bool:
+        return self._copying
+
+    def step(self, step: Step) -> list[int]:
+        started = time.perf_counter()
+        try:
+            reply = self._call(wire.STEP, wire.encode_step(step))
+        except KVFull:
+            self._copying = False  # the decode ran its pending copies before it looked for room
+            raise
+        self._copying, self._served = False, True
+        (inside,) = struct.unpack_from("<d", reply, len(reply) - 8)
+        self.step_seconds += time.perf_counter() - started
+        self.worker_seconds += inside
+        return np.frombuffer(reply[:-8], dtype="<i4").tolist()
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        self._call(wire.COPY, wire.ints(source, target, length))
+        self._copying = True
+
+    def truncate(self, seq: int, length: int) -> None:
+        self._call(wire.TRUNCATE, wire.ints(seq, length))
+
+    def export(self, seq: int) -> bytes:
+        return bytes(self._call(wire.EXPORT, wire.ints(seq)))
+
+    def restore(self, seq: int, data: bytes) -> None:
+        self._call(wire.RESTORE, wire.ints(seq) + data)
+
+    def open_grammar(self, gbnf: str) -> int:
+        (handle,) = wire.read_ints(self._call(wire.OPEN_GRAMMAR, gbnf.encode("utf-8")), 1)
+        return handle
+
+    def close_grammar(self, handle: int) -> None:
+        self._call(wire.CLOSE_GRAMMAR, wire.ints(handle))

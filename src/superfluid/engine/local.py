@@ -1,0 +1,143 @@
+"""The engine as the scheduler drives it: a batch of token ids in, a sampled token per lane out.
+
+A `Step` is one llama_decode: token ids, positions and sequence ids, and for each lane
+whose last token it carries, a `Draw` saying how to pick the next token (sampling
+parameters, the stream position its random draw is keyed by, whether end-of-generation is
+banned, and the handle of its grammar). `LocalEngine` runs steps in this process: decode,
+then sample each wanted row, masked by the lane's grammar, which then accepts the token.
+The worker process (`worker.py`) serves the same calls over its channel (`channel.py`), so
+the scheduler never knows which one it drives.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..protocol.schema import GenParams
+from .grammar import Grammar
+from .llama import ContextShape, EngineError, LlamaContext
+from .sampling import sample
+
+
+class WorkerGone(EngineError):
+    """The process that ran the engine died; the text says how (its exit status or signal)."""
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How to pick one lane's next token."""
+
+    params: GenParams
+    position: int  # the stream position of the token drawn: its random draw is keyed by it
+    ignore_eos: bool = False
+    grammar: int = 0  # an `open_grammar` handle; 0 for none
+
+
+@dataclass
+class Step:
+    """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seqs: np.ndarray
+    want: np.ndarray
+    draws: list[Draw]
+
+
+class Engine(Protocol):
+    """What the scheduler needs of llama.cpp: steps, KV slots and grammars.
+
+    Any call may raise `KVFull` (no room for a step or a restore), `EngineError`, or
+    `WorkerGone` when the engine runs in a worker that died; `restart` then starts another.
+    """
+
+    shape: ContextShape
+    end_of_generation: np.ndarray  # by token id: True for the tokens that end a turn
+
+    @property
+    def copy_pending(self) -> bool: ...
+
+    def step(self, step: Step) -> list[int]: ...
+
+    def copy(self, source: int, target: int, length: int) -> None: ...
+
+    def truncate(self, seq: int, length: int) -> None: ...
+
+    def export(self, seq: int) -> bytes: ...
+
+    def restore(self, seq: int, data: bytes) -> None: ...
+
+    def open_grammar(self, gbnf: str) -> int: ...
+
+    def close_grammar(self, handle: int) -> None: ...
+
+    def restart(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalEngine:
+    """llama.cpp in this process: a context and the grammars of the lanes that have one."""
+
+    def __init__(self, context: LlamaContext) -> None:
+        self.context = context
+        self.shape = context.shape
+        self.end_of_generation = context.model.end_of_generation
+        self._grammars: dict[int, Grammar] = {}
+        self._handles = itertools.count(1)
+
+    @property
+    def copy_pending(self) -> bool:
+        return self.context.copy_pending
+
+    def step(self, step: Step) -> list[int]:
+        logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
+        return [self._draw(row, draw) for row, draw in zip(logits, step.draws, strict=True)]
+
+    def _draw(self, logits: np.ndarray, draw: Draw) -> int:
+        grammar = self._grammars.get(draw.grammar) if draw.grammar else None
+        if grammar is None:
+            if draw.ignore_eos:  # a grammar decides for itself when it is complete
+                logits[self.end_of_generation] = -np.inf
+            return sample(logits, draw.params, draw.position)
+        token = int(np.argmax(logits))
+        if draw.params.temperature > 0 or not grammar.allows(token):
+            token = sample(grammar.mask(logits), draw.params, draw.position)
+        if not self.end_of_generation[token]:
+            grammar.accept(token)
+        return token
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        self.context.copy(source, target, length)
+
+    def truncate(self, seq: int, length: int) -> None:
+        self.context.truncate(seq, length)
+
+    def export(self, seq: int) -> bytes:
+        return self.context.export(seq)
+
+    def restore(self, seq: int, data: bytes) -> None:
+        self.context.restore(seq, data)
+
+    def open_grammar(self, gbnf: str) -> int:
+        """A grammar for one lane; GrammarError when the GBNF does not parse."""
+        handle = next(self._handles)
+        self._grammars[handle] = Grammar(self.context.model, gbnf)
+        return handle
+
+    def close_grammar(self, handle: int) -> None:
+        grammar = self._grammars.pop(handle, None)
+        if grammar is not None:
+            grammar.close()
+
+    def restart(self) -> None:
+        """Nothing to restart in this process: llama.cpp failing here takes the daemon with it."""
+
+    def close(self) -> None:
+        for handle in list(self._grammars):
+            self.close_grammar(handle)
+        self.context.close()

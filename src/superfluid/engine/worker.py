@@ -1,0 +1,96 @@
+"""`superfluid-worker-llamacpp`: one model's llama.cpp context, served to the daemon over a channel.
+
+The daemon starts it with the model's path, the context's shape and the file descriptor of
+its end of a socket pair. It loads the model and answers READY (or FAILED with llama.cpp's
+reason, and exits 1), then serves calls until the channel closes, which happens when the
+daemon stops or dies. It sees token ids only: sessions, templates and tokenization stay in
+the daemon, so a crash here costs the generations in flight and the KV in its slots, never
+a committed event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import wire
+from .grammar import GrammarError
+from .llama import ContextShape, EngineError, KVFull, LlamaContext, LlamaModel
+from .local import LocalEngine
+
+
+def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
+    """One call; its reply payload."""
+    if kind == wire.STEP:
+        started = time.perf_counter()
+        drawn = np.asarray(engine.step(wire.decode_step(payload)), dtype="<i4").tobytes()
+        return drawn + struct.pack("<d", time.perf_counter() - started)  # what the step cost here
+    if kind == wire.COPY:
+        engine.copy(*wire.read_ints(payload, 3))
+        return b""
+    if kind == wire.TRUNCATE:
+        engine.truncate(*wire.read_ints(payload, 2))
+        return b""
+    if kind == wire.EXPORT:
+        return engine.export(*wire.read_ints(payload, 1))
+    if kind == wire.RESTORE:
+        (seq,) = wire.read_ints(payload, 1)
+        engine.restore(seq, bytes(payload[8:]))
+        return b""
+    if kind == wire.OPEN_GRAMMAR:
+        return wire.ints(engine.open_grammar(bytes(payload).decode("utf-8")))
+    if kind == wire.CLOSE_GRAMMAR:
+        engine.close_grammar(*wire.read_ints(payload, 1))
+        return b""
+    raise EngineError(f"unknown call {kind}")
+
+
+def serve(channel: socket.socket, model_path: Path, shape: ContextShape) -> int:
+    try:
+        engine = LocalEngine(LlamaContext(LlamaModel(model_path), shape))
+    except EngineError as e:
+        wire.send(channel, wire.FAILED, str(e).encode())
+        return 1
+    wire.send(channel, wire.READY)
+    while True:
+        try:
+            kind, payload = wire.receive(channel)
+        except wire.ChannelClosed:
+            return 0  # the daemon stopped, or died
+        try:
+            reply = _serve(engine, kind, payload)
+        except KVFull as e:
+            wire.send(channel, wire.KV_FULL, str(e).encode())
+        except (EngineError, GrammarError) as e:
+            wire.send(channel, wire.FAILED, str(e).encode())
+        else:
+            wire.send(channel, wire.OK, reply)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="superfluid-worker-llamacpp",
+        description="A llama.cpp worker of the superfluid daemon; the daemon starts it, people do not.",
+    )
+    parser.add_argument("--fd", type=int, required=True, help="the worker's end of the daemon's socket pair")
+    parser.add_argument("--model", type=Path, required=True, help="the GGUF file")
+    parser.add_argument("--window", type=int, required=True, help="tokens per KV slot")
+    parser.add_argument("--sequences", type=int, required=True, help="KV slots")
+    parser.add_argument("--batch", type=int, required=True, help="tokens per decode")
+    parser.add_argument("--threads", type=int, required=True, help="CPU threads")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle; it closes the channel
+    channel = socket.socket(fileno=args.fd)
+    shape = ContextShape(args.window, args.sequences, args.batch, args.threads)
+    return serve(channel, args.model, shape)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The models a daemon serves: each loaded one with its vocabulary, template, engine and scheduler.
+
+A `Runtime` is one loaded model. The daemon keeps the vocabulary and the chat template
+(tokenization stays here); the engine, in a worker process by default, holds the weights
+and the KV; the scheduler runs its lanes. `Models` knows every model named at start or
+loaded since, by id: the first is the default (the session API generates with it), the
+others load when a request names them and unload when told or when idle for
+`--idle-timeout`. Sessions do not belong to a model: the log records which model
+generated each turn (`GenerationFingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ServeConfig
+from .engine.build import exactness_problems
+from .engine.channel import WorkerEngine
+from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
+from .engine.local import Engine, LocalEngine
+from .model.resolve import ModelNotFound, resolve_model
+from .model.template import CHATML, ChatTemplate
+from .scheduler.scheduler import Scheduler
+
+log = logging.getLogger("superfluid")
+
+# KV slots beyond the lanes: they keep finished prefixes for forks and continuations.
+SPARE_SLOTS = 4
+BATCH_TOKENS = 512
+
+
+class ModelError(Exception):
+    """A model that cannot be served: unknown, or it does not load; `status` is the HTTP answer."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Runtime:
+    """One loaded model."""
+
+    id: str
+    model: LlamaModel
+    template: ChatTemplate
+    engine: Engine
+    scheduler: Scheduler
+    window: int
+    fingerprint: int
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.engine.pid if isinstance(self.engine, WorkerEngine) else None
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.engine.close()
+
+
+def fingerprint(model: LlamaModel, template: ChatTemplate) -> int:
+    """What generated a session's tokens: the model file and its template."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(str(model.name).encode())
+    digest.update(str(model.size).encode())
+    digest.update(template.source.encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def chat_template(model: LlamaModel) -> ChatTemplate:
+    if model.chat_template is None:
+        log.warning("%s carries no chat template; using ChatML", model.path.name)
+    return ChatTemplate(
+        model.chat_template or CHATML,
+        model.tokenize,
+        bos_text=model.token_text(model.bos) if model.bos >= 0 else "",
+        eos_text=model.token_text(model.eos) if model.eos >= 0 else "",
+        bos_token=model.bos if model.add_bos and model.bos >= 0 else None,
+    )
+
+
+def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
+    """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
+    model = LlamaModel(path, vocab_only=config.worker_process)
+    if config.fim_tokens is not None:
+        model.set_fim(*config.fim_tokens)
+    template = chat_template(model)
+    trained = model.n_ctx_train or 8192
+    window = config.max_context or min(trained, 8192)
+    if window > trained:
+        log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
+    shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads)
+    engine: Engine
+    if config.worker_process:
+        worker = WorkerEngine(path, shape, model.end_of_generation)
+        worker.start()
+        engine = worker
+    else:
+        engine = LocalEngine(LlamaContext(model, shape))
+    scheduler = Scheduler(
+        engine,
+        lanes=config.max_batch,
+        window=window,
+        tick_ms=config.tick_ms,
+        host_cache_bytes=config.host_cache_mb << 20,
+    )
+    if isinstance(engine, WorkerEngine):
+        engine.on_death = scheduler.worker_died
+    problems = exactness_problems()
+    if problems:
+        log.warning(
+            "this llama.cpp build lets the batch change a token's logits (%s): cut, resumed and forked greedy "
+            "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
+            "; ".join(problems),
+        )
+    return Runtime(model_id, model, template, engine, scheduler, window, fingerprint(model, template))
+
+
+@dataclass
+class Known:
+    """A model the daemon knows: where it is, and its runtime while loaded."""
+
+    path: Path
+    runtime: Runtime | None = None
+
+
+class Models:
+    """Every model the daemon knows, the loaded ones with their runtimes; the first is the default."""
+
+    def __init__(self, config: ServeConfig, on_load: Callable[[Runtime], None] = lambda runtime: None) -> None:
+        self.config = config
+        self.on_load = on_load  # the daemon wires a new runtime's scheduler to its commits
+        self.known: dict[str, Known] = {}
+        self.default_id = ""
+        self._lock = threading.RLock()
+
+    def add(self, ref: str | None) -> str:
+        """Know a model by reference (a path, a hub id, or None for the embedded one); its id."""
+        try:
+            resolved = resolve_model(ref, offline=self.config.offline)
+        except ModelNotFound as e:
+            raise ModelError(str(e), 404) from None
+        with self._lock:
+            for model_id, known in self.known.items():
+                if known.path == resolved.path:
+                    return model_id
+            model_id = resolved.name if resolved.name not in self.known else f"{resolved.name}-{resolved.path.stem}"
+            self.known[model_id] = Known(resolved.path)
+            if not self.default_id:
+                self.default_id = model_id
+            return model_id
+
+    def find(self, name: str | None) -> str | None:
+        """The id a request's `model` names: an id, a file name or path, either without its case or a
+        `:latest` tag, or the start of exactly one id (`smollm2` for `SmolLM2-135M-Instruct`)."""
+        if not name:
+            return self.default_id
+        with self._lock:
+            if name in self.known:
+                return name
+            wanted = name.lower().removesuffix(":latest")
+            for model_id, known in self.known.items():
+                if wanted in (model_id.lower(), known.path.stem.lower(), known.path.name.lower(), str(known.path)):
+                    return model_id
+            starting = [model_id for model_id in self.known if model_id.lower().startswith(wanted)]
+        return starting[0] if len(starting) == 1 else None
+
+    def runtime(self, model_id: str) -> Runtime:
+        """The model's runtime, loading it first if it is not loaded."""
+        with self._lock:
+            known = self.known.get(model_id)
+            if known is None:
+                raise ModelError(f"model {model_id!r} is not known here; known: {', '.join(self.known)}", 404)
+            if known.runtime is None:
+                self._load(model_id, known)
+            assert known.runtime is not None
+            known.runtime.last_used = time.monotonic()
+            return known.runtime
+
+    def default(self) -> Runtime:
+        return self.runtime(self.default_id)
+
+    def _load(self, model_id: str, known: Known) -> None:
+        started = time.monotonic()
+        try:
+            runtime = open_runtime(model_id, known.path, self.config)
+        except EngineError as e:
+            raise ModelError(f"{known.path} does not load: {e}", 422) from None
+        known.runtime = runtime
+        self.on_load(runtime)
+        runtime.scheduler.start()
+        log.info("loaded %s in %.1f s", model_id, time.monotonic() - started)
+
+    def unload(self, model_id: str) -> None:
+        """Stop a model's worker and free its memory; the last loaded model stays."""
+        with self._lock:
+            known = self.known.get(model_id)
+            if known is None:
+                raise ModelError(f"model {model_id!r} is not known here; known: {', '.join(self.known)}", 404)
+            if known.runtime is None:
+                return
+            if len(self.loaded()) == 1:
+                raise ModelError(f"{model_id} is the last loaded model; load another before unloading it")
+            runtime, known.runtime = known.runtime, None
+        runtime.close()
+        log.info("unloaded %s", model_id)
+
+    def forget(self, model_id: str) -> None:
+        """Unload a model if it is loaded, and forget it; the default model cannot be forgotten."""
+        if model_id == self.default_id:
+            raise ModelError(f"{model_id} is the default model; it cannot be forgotten")
+        self.unload(model_id)
+        with self._lock:
+            self.known.pop(model_id, None)
+
+    def loaded(self) -> list[Runtime]:
+        with self._lock:
+            return [k.runtime for k in self.known.values() if k.runtime is not None]
+
+    def unload_idle(self, idle_s: float) -> None:
+        """Unload every model but the default one that has not served a request for `idle_s` seconds."""
+        now = time.monotonic()
+        for runtime in self.loaded():
+            busy = runtime.scheduler.lanes or runtime.scheduler.queued()
+            if runtime.id != self.default_id and not busy and now - runtime.last_used > idle_s:
+                self.unload(runtime.id)
+
+    def close(self) -> None:
+        for runtime in self.loaded():
+            runtime.close()

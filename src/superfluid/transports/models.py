@@ -1,0 +1,116 @@
+"""The models routes: which models this daemon knows, and loading, unloading and forgetting them.
+
+`GET /v1/models` lists every known model with `loaded` and its context window;
+`POST /v1/models/load` loads one (a known id, or a path or hub id with `runtime`);
+`POST /v1/models/unload` stops its worker and frees its memory (in-flight generations end
+with an error; the last loaded model cannot be unloaded); `DELETE /v1/models/{id}` forgets
+it. A request naming an unloaded model loads it again on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import JSONResponse, Response
+
+from ..daemon import Daemon
+from ..runtime import ModelError
+from .openai import Body, error
+
+RUNTIMES = ("llamacpp", "llama.cpp", "llama-cpp", "auto")
+
+
+class LoadBody(Body):
+    """The body of POST /v1/models/load: a known `model` id, or an `id` path or hub reference."""
+
+    model: str | None = None
+    id: str | None = None
+    runtime: str | None = None
+
+
+class UnloadBody(Body):
+    """The body of POST /v1/models/unload."""
+
+    model: str | None = None
+    id: str | None = None
+
+
+def router(daemon: Daemon) -> APIRouter:
+    api = APIRouter()
+    models = daemon.models
+
+    def entry(model_id: str) -> dict[str, Any]:
+        runtime = models.known[model_id].runtime
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": int(models.known[model_id].path.stat().st_mtime),
+            "owned_by": "superfluid",
+            "loaded": runtime is not None,
+            "default": model_id == models.default_id,
+            "meta": {"n_ctx": runtime.window if runtime else models.config.max_context or None},
+            "runtime": {"id": "llamacpp", "worker_pid": runtime.worker_pid if runtime else None},
+        }
+
+    def known(name: str | None) -> str | Response:
+        model_id = models.find(name)
+        if model_id is None:
+            return error(
+                f"model {name!r} is not known here; known models: {', '.join(models.known)}", 404, "model_not_found"
+            )
+        return model_id
+
+    @api.get("/v1/models")
+    async def listing() -> dict[str, Any]:
+        return {"object": "list", "data": [entry(model_id) for model_id in list(models.known)]}
+
+    @api.get("/v1/models/{model:path}")
+    async def one(model: str) -> Response:
+        model_id = known(model)
+        return model_id if isinstance(model_id, Response) else JSONResponse(entry(model_id))
+
+    @api.post("/v1/models/load")
+    async def load(body: LoadBody) -> Response:
+        if body.runtime is not None and body.runtime.lower() not in RUNTIMES:
+            return error(
+                f"runtime {body.runtime!r} is not built in; this build has llamacpp", 400, "unsupported_runtime"
+            )
+        started = time.monotonic()
+        model_id = models.find(body.model or body.id)
+        new = model_id is None
+        try:
+            if model_id is None:
+                model_id = await asyncio.to_thread(models.add, body.id or body.model)
+            runtime = await asyncio.to_thread(models.runtime, model_id)
+        except ModelError as e:
+            if new and model_id is not None:
+                models.forget(model_id)  # a model that does not load is not known either
+            return error(str(e), e.status, "model_load_failed")
+        return JSONResponse({**entry(runtime.id), "load_seconds": round(time.monotonic() - started, 3)})
+
+    @api.post("/v1/models/unload")
+    async def unload(body: UnloadBody) -> Response:
+        model_id = known(body.model or body.id)
+        if isinstance(model_id, Response):
+            return model_id
+        try:
+            await asyncio.to_thread(models.unload, model_id)
+        except ModelError as e:
+            return error(str(e), e.status, "invalid_request_error")
+        return JSONResponse(entry(model_id))
+
+    @api.delete("/v1/models/{model:path}")
+    async def forget(model: str) -> Response:
+        model_id = known(model)
+        if isinstance(model_id, Response):
+            return model_id
+        try:
+            await asyncio.to_thread(models.forget, model_id)
+        except ModelError as e:
+            return error(str(e), e.status, "invalid_request_error")
+        return JSONResponse({"id": model_id, "object": "model", "deleted": True})
+
+    return api
