@@ -146,6 +146,18 @@ def text_of(events: list) -> str:
     return "".join(e.body.text for e in events if type(e.body).__name__ == "Generated")
 
 
+def chat_body(content: str, max_tokens: int, stream: bool) -> dict:
+    """An OpenAI chat request of exactly `max_tokens` greedy tokens, on any machine."""
+    return {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
 def free_port() -> int:
     import socket
 

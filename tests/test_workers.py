@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import HttpDaemon, forced, generated_tokens, new_session, say
+from conftest import HttpDaemon, chat_body, forced, generated_tokens, new_session, say
 
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import FINISH_ERROR, EventBody, Request, Response
@@ -42,17 +42,6 @@ def wait_for_worker(daemon: HttpDaemon, not_pid: int | None = None, timeout: flo
             return pid
         time.sleep(0.05)
     raise AssertionError("no worker came up")
-
-
-def chat_body(content: str, max_tokens: int, stream: bool) -> dict:
-    return {
-        "model": "smollm2",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-        "ignore_eos": True,
-    }
 
 
 @pytest.fixture

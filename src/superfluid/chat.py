@@ -139,7 +139,8 @@ class ChatRun:
                 code="context_length_exceeded",
             )
         room = runtime.window - self.prompt_tokens
-        self.max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+        limit = request.max_tokens or runtime.max_tokens
+        self.max_tokens = min(limit, room) if limit else room
         self.grammar = self._grammar()
         self.session = daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
 

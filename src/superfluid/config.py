@@ -8,7 +8,7 @@ reads the command line.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 DEFAULT_MAX_BATCH = 8
@@ -38,6 +38,24 @@ def default_socket() -> Path:
     return home() / "superfluid.sock"
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling for requests that name none: `--temperature` and friends, else the model's own
+    GGUF `general.sampling.*` values, else the usual ones. `None` leaves a field to the next."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+
+    def over(self, other: SamplingDefaults) -> SamplingDefaults:
+        """These defaults where set, `other`'s elsewhere."""
+        return SamplingDefaults(
+            *(mine if mine is not None else theirs for mine, theirs in zip(astuple(self), astuple(other), strict=True))
+        )
+
+
 @dataclass
 class ServeConfig:
     """Everything `superfluid serve` is told."""
@@ -62,3 +80,13 @@ class ServeConfig:
     http_allow_batch_invariant: bool = False
     worker_process: bool = True  # llama.cpp in a worker process, so its crash is not the daemon's
     idle_timeout: float = 0.0  # unload a model (never the default) idle this long; 0 never
+    max_tokens: int | None = None  # cap of a request that names none; None fills the context
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    class_lanes: dict[int, int] = field(default_factory=dict)  # QoS class -> most lanes it may hold
+    nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
+    api_key: str | None = None
+    key_policy: Path | None = None
+    rate_limit: int = 0  # requests per minute per client IP; 0 off
+    drain_timeout: float = 60.0
+    log_file: Path | None = None
+    log_dir: Path | None = None

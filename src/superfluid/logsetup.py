@@ -1,14 +1,22 @@
-"""Logging to stderr, and live changes to it from a filter directive.
+"""Logging to stderr (or `--log-file`), JSON lines under `--log-dir`, and live changes to
+both from a filter directive.
 
-A directive is a comma-separated list of `level` or `target=level`, as in
+Log lines are content-free: they name sessions, models and counts, never a prompt or a
+reply. A directive is a comma-separated list of `level` or `target=level`, as in
 `superfluid=debug`, `superfluid.scheduler=debug,info` or `warn`. Targets are logger
 names (`::` is accepted for `.`); levels are trace, debug, info, warn, error and off.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.handlers
+import os
 import sys
+import time
+from pathlib import Path
+from typing import IO
 
 LEVELS = {
     "trace": logging.DEBUG,
@@ -23,11 +31,58 @@ LEVELS = {
 _configured: set[str] = set()
 
 
-def setup_logging(directive: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+LOG_FILE_BYTES = 64 << 20
+LOG_FILES_KEPT = 8
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object a line: time, level, logger and message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "target": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+class NumberedFiles(logging.handlers.RotatingFileHandler):
+    """`superfluid.0.jsonl` is written; when it is full it becomes `.1`, and so on up to the
+    oldest kept. Every file is created mode 0600."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            directory / "superfluid.0.jsonl", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILES_KEPT - 1, delay=True
+        )
+        self.directory = directory
+        self.namer = lambda name: str(directory / f"superfluid.{name.rsplit('.', 1)[-1]}.jsonl")
+
+    def _open(self) -> IO[str]:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def setup_logging(directive: str = "info", log_file: Path | None = None, log_dir: Path | None = None) -> None:
+    """Log to stderr, or appended to `log_file`; with `log_dir`, also as rotated JSON lines."""
+    stream: IO[str] = sys.stderr
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        stream = open(log_file, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives as long as the process)
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
+    handlers: list[logging.Handler] = [handler]
+    if log_dir is not None:
+        files = NumberedFiles(log_dir)
+        files.setFormatter(JsonLines())
+        handlers.append(files)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     set_log_directive(directive)
 
 

@@ -87,6 +87,30 @@ class _SchedulerCollector(Collector):
         )
 
 
+class _KeyCollector(Collector):
+    """Requests by API key and outcome, and each key's requests in flight (`--key-policy`)."""
+
+    def __init__(self) -> None:
+        self.gate: Any = None
+
+    def collect(self) -> Iterator[Any]:
+        if self.gate is None or not self.gate.keyed:
+            return
+        admitted = CounterMetricFamily("superfluid_key_requests", "Requests admitted, by key", labels=["key"])
+        rejected = CounterMetricFamily(
+            "superfluid_key_rejected", "Requests refused, by key and reason", labels=["key", "reason"]
+        )
+        for (name, outcome), count in sorted(self.gate.counts.items()):
+            if outcome == "admitted":
+                admitted.add_metric([name], count)
+            else:
+                rejected.add_metric([name, outcome], count)
+        in_flight = GaugeMetricFamily("superfluid_key_in_flight", "Requests running, by key", labels=["key"])
+        for key in self.gate.keys:
+            in_flight.add_metric([key.name], key.in_flight)
+        yield from (admitted, rejected, in_flight)
+
+
 class Metrics:
     """The daemon's metrics registry."""
 
@@ -124,9 +148,15 @@ class Metrics:
         )
         self._scheduler = _SchedulerCollector()
         self.registry.register(self._scheduler)
+        self._keys = _KeyCollector()
+        self.registry.register(self._keys)
 
     def attach(self, daemon: Any) -> None:
         self._scheduler.daemon = daemon
+
+    def watch_gate(self, gate: Any) -> None:
+        """Count the HTTP listener's requests by API key."""
+        self._keys.gate = gate
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode("utf-8")

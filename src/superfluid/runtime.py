@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ServeConfig
+from .config import SamplingDefaults, ServeConfig
 from .engine.build import exactness_problems
 from .engine.channel import WorkerEngine
 from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
@@ -54,6 +54,8 @@ class Runtime:
     scheduler: Scheduler
     window: int
     fingerprint: int
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for requests that name none
+    max_tokens: int | None = None  # a request's cap when it names none; None fills the window
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,6 +74,29 @@ def fingerprint(model: LlamaModel, template: ChatTemplate) -> int:
     digest.update(str(model.size).encode())
     digest.update(template.source.encode())
     return int.from_bytes(digest.digest(), "little")
+
+
+GGUF_SAMPLING = {
+    "temperature": "general.sampling.temp",
+    "top_p": "general.sampling.top_p",
+    "top_k": "general.sampling.top_k",
+    "min_p": "general.sampling.min_p",
+    "repeat_penalty": "general.sampling.penalty_repeat",
+}
+
+
+def model_sampling(metadata: dict[str, str]) -> SamplingDefaults:
+    """The sampling a GGUF's author recommends (`general.sampling.*`), where it says."""
+    values: dict[str, float | int] = {}
+    for name, key in GGUF_SAMPLING.items():
+        raw = metadata.get(key)
+        if raw is None:
+            continue
+        try:
+            values[name] = int(float(raw)) if name == "top_k" else float(raw)
+        except ValueError:
+            log.warning("%s is %r in the GGUF, not a number; ignored", key, raw)
+    return SamplingDefaults(**values)
 
 
 def chat_template(model: LlamaModel) -> ChatTemplate:
@@ -110,6 +135,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         window=window,
         tick_ms=config.tick_ms,
         host_cache_bytes=config.host_cache_mb << 20,
+        class_lanes=config.class_lanes,
     )
     if isinstance(engine, WorkerEngine):
         engine.on_death = scheduler.worker_died
@@ -120,7 +146,17 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
             "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
             "; ".join(problems),
         )
-    return Runtime(model_id, model, template, engine, scheduler, window, fingerprint(model, template))
+    return Runtime(
+        model_id,
+        model,
+        template,
+        engine,
+        scheduler,
+        window,
+        fingerprint(model, template),
+        sampling=config.sampling.over(model_sampling(model.metadata)),
+        max_tokens=config.max_tokens,
+    )
 
 
 @dataclass

@@ -6,6 +6,9 @@ import asyncio
 import logging
 import signal
 import sys
+import time
+from collections.abc import Coroutine
+from typing import Any
 
 from . import __version__
 from .config import ServeConfig
@@ -13,6 +16,7 @@ from .daemon import Daemon
 from .metrics import Metrics
 from .runtime import Models
 from .store.sessions import SessionStore
+from .transports.access import load_policy
 from .transports.chat_http import HttpPolicy
 from .transports.http import ApiServer
 from .transports.socket import SocketServer
@@ -50,8 +54,14 @@ async def serve(config: ServeConfig) -> int:
         url = await web_server.start()
     api_server = None
     if not config.no_http:
-        policy = HttpPolicy(config.http_default_qos, config.http_qos_header, config.http_allow_batch_invariant)
-        api_server = ApiServer(daemon, config.http, policy)
+        policy = HttpPolicy(
+            config.http_default_qos,
+            config.http_qos_header,
+            config.http_allow_batch_invariant,
+            config.nonstream_keepalive,
+        )
+        keys = load_policy(config.key_policy, config.api_key) if config.key_policy else []
+        api_server = ApiServer(daemon, config.http, policy, config.api_key, keys, config.rate_limit)
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
     print(
@@ -65,15 +75,21 @@ async def serve(config: ServeConfig) -> int:
         print(f"web: {url}/web/ (token in {token_path})", flush=True)
     if api_server is not None:
         print(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)", flush=True)
-        if not api_server.loopback:
-            log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)
-    stop = asyncio.Event()
+        if not api_server.gate.keyed:
+            if api_server.loopback:
+                log.info("the HTTP API takes no key; it listens on this machine only")
+            else:
+                log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, drain.set)
     idle = asyncio.create_task(_unload_idle(models, config.idle_timeout)) if config.idle_timeout else None
     try:
-        await stop.wait()
+        await _first(stop.wait(), drain.wait())
+        if drain.is_set() and not stop.is_set():
+            await _first(stop.wait(), _drain(daemon, api_server, config.drain_timeout))
     finally:
         if idle is not None:
             idle.cancel()
@@ -88,6 +104,36 @@ async def serve(config: ServeConfig) -> int:
         daemon.stop()
         store.close()
     return 0
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Wait until one of `waits` is done; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _drain(daemon: Daemon, api_server: ApiServer | None, timeout_s: float) -> None:
+    """Refuse new HTTP requests and wait, up to `timeout_s`, for those running and every
+    generation in flight to end (SIGUSR1)."""
+    if api_server is not None:
+        api_server.gate.draining = True
+        api_server.gate.drain_retry_s = timeout_s
+
+    def busy() -> int:
+        return len(daemon.running) + (api_server.gate.in_flight if api_server is not None else 0)
+
+    log.info("draining: new HTTP requests get 503; waiting up to %.0f s for %d running", timeout_s, busy())
+    deadline = time.monotonic() + timeout_s
+    while busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if busy():
+        log.warning("drain timed out with %d still running; stopping them", busy())
+    else:
+        log.info("drained: nothing is running")
 
 
 async def _unload_idle(models: Models, idle_s: float) -> None:

@@ -62,16 +62,19 @@ def serve(channel: socket.socket, model_path: Path, shape: ContextShape) -> int:
     while True:
         try:
             kind, payload = wire.receive(channel)
-        except wire.ChannelClosed:
+            wire.send(channel, *_answer(engine, kind, payload))
+        except ConnectionError:
             return 0  # the daemon stopped, or died
-        try:
-            reply = _serve(engine, kind, payload)
-        except KVFull as e:
-            wire.send(channel, wire.KV_FULL, str(e).encode())
-        except (EngineError, GrammarError) as e:
-            wire.send(channel, wire.FAILED, str(e).encode())
-        else:
-            wire.send(channel, wire.OK, reply)
+
+
+def _answer(engine: LocalEngine, kind: int, payload: memoryview) -> tuple[int, bytes]:
+    """The reply frame to one request frame: OK with its payload, or why it failed."""
+    try:
+        return wire.OK, _serve(engine, kind, payload)
+    except KVFull as e:
+        return wire.KV_FULL, str(e).encode()
+    except (EngineError, GrammarError) as e:
+        return wire.FAILED, str(e).encode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,11 +168,13 @@ class Scheduler:
         window: int,
         tick_ms: float = 50.0,
         host_cache_bytes: int = 0,
+        class_lanes: dict[int, int] | None = None,
         on_tick: Callable[[], None] = lambda: None,
         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
         self.engine = engine
         self.max_lanes = min(lanes, engine.shape.sequences)
+        self.class_lanes = dict(class_lanes or {})  # QoS class -> most lanes it may hold (--class-lanes)
         self.window = window
         self.tick_s = tick_ms / 1000.0
         self.on_tick = on_tick
@@ -330,7 +332,7 @@ class Scheduler:
                 job = min(waiting, key=lambda j: (self._class_now(j), j.order), default=None)
             if job is None:
                 break
-            if self._waits_for_prefix(job):
+            if self._class_full(job) or self._waits_for_prefix(job):
                 held.add(id(job))
                 continue
             if len(self.lanes) >= self.max_lanes and not (self._preempt_for(job) or self._room_for_short(job)):
@@ -355,6 +357,11 @@ class Scheduler:
                 depth[job.qos] += 1
             self.stats.queue_depth = depth
         self.stats.lanes_active = len(self.lanes)
+
+    def _class_full(self, job: Job) -> bool:
+        """True when the job's class already holds every lane `--class-lanes` gives it."""
+        cap = self.class_lanes.get(job.qos)
+        return cap is not None and sum(lane.job.qos == job.qos for lane in self.lanes) >= cap
 
     def _invariant_class(self) -> int:
         return min(lane.job.qos for lane in self.lanes if lane.job.batch_invariant)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from .chat_http import HttpPolicy, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling, text_of
 
 _ids = itertools.count(1)
@@ -108,9 +108,10 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     async def messages(body: MessagesRequest, http: Request) -> Response:
         try:
             qos, invariant = scheduling(http, policy)
+            runtime = await runtime_for(daemon, body.model)
             request = ChatRequest(
                 messages=chat_messages(body.system, body.messages),
-                params=sampling(body.temperature, body.top_p, body.top_k, None, None),
+                params=sampling(runtime.sampling, body.temperature, body.top_p, body.top_k, None, None),
                 max_tokens=body.max_tokens,
                 tools=normalize_tools(body.tools or []),
                 stop=list(body.stop_sequences or []),
@@ -118,7 +119,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
+            run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, "permission_error" if e.status == 403 else "invalid_request_error")
         except ToolDeclarationError as e:
@@ -127,27 +128,31 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_stream(run, reply_id, name), media_type="text/event-stream")
-        reply = await collect(run, http)
-        if reply is None:
-            return error("the client closed the connection", GONE)
-        blocks = [_block(piece) for piece in reply.pieces]
-        outcome = run.result()
-        if isinstance(outcome, str):
-            return error(outcome, 500, "api_error")
-        return JSONResponse(
-            {
-                "id": reply_id,
-                "type": "message",
-                "role": "assistant",
-                "model": name,
-                "content": blocks,
-                "stop_reason": stop_reason(outcome),
-                "stop_sequence": outcome.stopped_by,
-                "usage": usage(outcome),
-            }
-        )
+        return await answer(policy, lambda: _reply(run, http, reply_id, name))
 
     return api
+
+
+async def _reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:
+    reply = await collect(run, http)
+    if reply is None:
+        return error("the client closed the connection", GONE)
+    blocks = [_block(piece) for piece in reply.pieces]
+    outcome = run.result()
+    if isinstance(outcome, str):
+        return error(outcome, 500, "api_error")
+    return JSONResponse(
+        {
+            "id": reply_id,
+            "type": "message",
+            "role": "assistant",
+            "model": name,
+            "content": blocks,
+            "stop_reason": stop_reason(outcome),
+            "stop_sequence": outcome.stopped_by,
+            "usage": usage(outcome),
+        }
+    )
 
 
 def _block(piece: Piece) -> dict[str, Any]:

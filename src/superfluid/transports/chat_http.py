@@ -6,19 +6,23 @@ asks for a lane that runs alone, which the listener grants only with
 `--http-allow-batch-invariant`. A non-streaming reply is collected while the ASGI receive
 channel is watched: a client that hangs up before its reply is ready gets its generation
 cancelled at the next tick, as a streaming client does when its stream is closed.
+`--nonstream-keepalive` sends such a reply's headers at once and spaces until its body.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from ..chat import ChatError, ChatRun, Collected
 from ..daemon import Daemon
-from ..protocol.schema import QOS_AGENT, qos_class
+from ..protocol.schema import QOS_AGENT, QOS_NAMES, qos_class
 from ..runtime import ModelError, Runtime
+from .access import Key
 
 QOS_HEADER = "x-superfluid-qos"
 INVARIANT_HEADER = "x-superfluid-batch-invariant"
@@ -31,6 +35,7 @@ class HttpPolicy:
     default_qos: int = QOS_AGENT
     qos_header: bool = True  # False: every request runs in default_qos, whatever it claims
     allow_batch_invariant: bool = False
+    nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
 
 
 async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
@@ -46,16 +51,27 @@ async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
 
 
 def scheduling(request: Request, policy: HttpPolicy) -> tuple[int, bool]:
-    """The (QoS class, batch invariant) a request runs with; ChatError for a header it may not use."""
-    qos = policy.default_qos
+    """The (QoS class, batch invariant) a request runs with; ChatError for a header it may not use.
+
+    A key from `--key-policy` brings its own class, the most urgent class it may claim, and
+    whether it may ask for batch invariance."""
+    key: Key | None = request.scope.get("state", {}).get("superfluid_key")
+    qos = key.qos if key is not None else policy.default_qos
     claimed = request.headers.get(QOS_HEADER)
     if claimed and policy.qos_header:
         try:
             qos = qos_class(claimed)
         except ValueError as e:
             raise ChatError(f"{QOS_HEADER}: {e}") from None
+        if key is not None and qos < key.max_qos:
+            raise ChatError(
+                f"{QOS_HEADER}: key {key.name!r} may claim {QOS_NAMES[key.max_qos]} at most, not {claimed}",
+                status=403,
+                code="qos_not_allowed",
+            )
     invariant = request.headers.get(INVARIANT_HEADER, "").strip().lower() in ("1", "true", "yes")
-    if invariant and not policy.allow_batch_invariant:
+    allowed = policy.allow_batch_invariant or (key is not None and key.batch_invariant)
+    if invariant and not allowed:
         raise ChatError(
             f"{INVARIANT_HEADER} is refused on this listener; start superfluid with --http-allow-batch-invariant",
             status=403,
@@ -76,6 +92,10 @@ async def collect(run: ChatRun, request: Request) -> Collected | None:
     gone = asyncio.ensure_future(_hang_up(request))
     try:
         await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the response itself was abandoned (a keep-alive body's client left)
+        reply.cancel()
+        run.cancel()
+        raise
     finally:
         gone.cancel()
     if reply.done():
@@ -83,3 +103,28 @@ async def collect(run: ChatRun, request: Request) -> Collected | None:
     reply.cancel()  # leaving the run's pieces cancels its generation
     run.cancel()
     return None
+
+
+KEEPALIVE_HEADER = "x-superfluid-keepalive"
+
+
+async def answer(policy: HttpPolicy, build: Callable[[], Awaitable[Response]]) -> Response:
+    """A non-streaming reply. With `--nonstream-keepalive`, the status and headers go out at
+    once and a space every interval keeps the body alive until the JSON is ready (JSON
+    allows leading whitespace); a client that hangs up meanwhile has its generation cancelled."""
+    if policy.nonstream_keepalive <= 0:
+        return await build()
+
+    async def body() -> AsyncIterator[bytes]:
+        built = asyncio.ensure_future(build())
+        try:
+            while True:
+                done, _ = await asyncio.wait({built}, timeout=policy.nonstream_keepalive)
+                if done:
+                    break
+                yield b" "
+            yield bytes(built.result().body)
+        finally:
+            built.cancel()
+
+    return StreamingResponse(body(), media_type="application/json", headers={KEEPALIVE_HEADER: "whitespace"})

@@ -1,6 +1,7 @@
 """The main HTTP listener (`--http`): OpenAI, Anthropic and Ollama routes on one port.
 
-Also `GET /health` and `GET /metrics`. Requests from a web page of another site are
+Also `GET /health` and `GET /metrics`. Keys, rate limits and draining are `access.py`'s.
+Requests from a web page of another site are
 refused (an `Origin` that is not this machine gets 403), and a loopback listener answers
 only loopback `Host` names, so a page cannot reach it through DNS rebinding.
 """
@@ -17,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
 from . import anthropic, models, ollama, openai
+from .access import AccessGate, Key
 from .chat_http import HttpPolicy
 from .listener import HttpListener, split_address
 
@@ -82,10 +84,20 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
 
 
 class ApiServer(HttpListener):
-    """The OpenAI, Anthropic and Ollama routes on `--http`."""
+    """The OpenAI, Anthropic and Ollama routes on `--http`, behind the keys and limits of `gate`."""
 
-    def __init__(self, daemon: Daemon, address: str, policy: HttpPolicy) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        address: str,
+        policy: HttpPolicy,
+        api_key: str | None = None,
+        keys: list[Key] | None = None,
+        rate_limit_rpm: int = 0,
+    ) -> None:
         host, port = split_address(address)
         loopback = _loopback_name(host)
-        super().__init__(create_app(daemon, loopback, policy), host, port, "the HTTP API")
+        self.gate = AccessGate(create_app(daemon, loopback, policy), api_key, keys or [], rate_limit_rpm)
+        daemon.metrics.watch_gate(self.gate)
+        super().__init__(self.gate, host, port, "the HTTP API")
         self.loopback = loopback

@@ -24,7 +24,7 @@ from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..runtime import ModelError, Runtime
-from .chat_http import HttpPolicy, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling
 
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
@@ -92,6 +92,7 @@ def _request(
     return ChatRequest(
         messages=messages,
         params=sampling(
+            runtime.sampling,
             options.get("temperature"),
             options.get("top_p"),
             options.get("top_k"),
@@ -199,7 +200,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             return error(str(e), e.status)
         except ToolDeclarationError as e:
             return error(str(e))
-        return await _respond(run, http, body.model or _tag(runtime.id), body.stream, chat=True)
+        return await _respond(run, http, policy, body.model or _tag(runtime.id), body.stream, chat=True)
 
     @api.post("/api/generate")
     async def generate(body: GenerateBody, http: Request) -> Response:
@@ -220,7 +221,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
-        return await _respond(run, http, body.model or _tag(runtime.id), body.stream, chat=False)
+        return await _respond(run, http, policy, body.model or _tag(runtime.id), body.stream, chat=False)
 
     return api
 
@@ -256,10 +257,14 @@ def _final(outcome: Outcome, name: str, chat: bool, started: float) -> dict[str,
     return final
 
 
-async def _respond(run: ChatRun, http: Request, name: str, stream: bool, chat: bool) -> Response:
+async def _respond(run: ChatRun, http: Request, policy: HttpPolicy, name: str, stream: bool, chat: bool) -> Response:
     started = time.monotonic()
     if stream:
         return StreamingResponse(_lines(run, name, chat, started), media_type="application/x-ndjson")
+    return await answer(policy, lambda: _whole(run, http, name, chat, started))
+
+
+async def _whole(run: ChatRun, http: Request, name: str, chat: bool, started: float) -> Response:
     reply = await collect(run, http)
     if reply is None:
         return error("the client closed the connection", GONE)

@@ -21,10 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, seed_for
+from ..config import SamplingDefaults
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
-from .chat_http import HttpPolicy, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 
 _ids = itertools.count(1)
 
@@ -48,8 +49,8 @@ class SampledBody(Body):
     stream: bool = False
     ignore_eos: bool = False
 
-    def params(self) -> GenParams:
-        return sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
+    def params(self, defaults: SamplingDefaults) -> GenParams:
+        return sampling(defaults, self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
 
 
 class ChatCompletionRequest(SampledBody):
@@ -80,13 +81,20 @@ GONE = 499  # the client closed its connection before the reply: nobody reads th
 
 
 def sampling(
-    temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None, seed: int | None
+    defaults: SamplingDefaults,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    seed: int | None,
 ) -> GenParams:
-    """The request's sampling, with the usual defaults: temperature 1, and top-k 40 when nothing else cuts."""
-    t = 1.0 if temperature is None else temperature
-    p = 1.0 if top_p is None else top_p
-    m = 0.0 if min_p is None else min_p
-    k = top_k if top_k is not None else (40 if t > 0 and p >= 1.0 and m <= 0.0 else 0)
+    """The request's sampling; what it leaves out comes from the model's defaults (`--temperature`
+    and friends, or its GGUF's), else temperature 1 and top-k 40 when nothing else cuts."""
+    asked = SamplingDefaults(temperature, top_p, top_k, min_p).over(defaults)
+    t = 1.0 if asked.temperature is None else asked.temperature
+    p = 1.0 if asked.top_p is None else asked.top_p
+    m = 0.0 if asked.min_p is None else asked.min_p
+    k = asked.top_k if asked.top_k is not None else (40 if t > 0 and p >= 1.0 and m <= 0.0 else 0)
     return GenParams(t, p, m, max(k, 0), seed_for(seed))
 
 
@@ -155,9 +163,10 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 if schema is None:
                     return error("response_format json_schema needs a schema", param="response_format")
             qos, invariant = scheduling(http, policy)
+            runtime = await runtime_for(daemon, body.model)
             request = ChatRequest(
                 messages=chat_messages(body.messages),
-                params=body.params(),
+                params=body.params(runtime.sampling),
                 max_tokens=body.max_completion_tokens or body.max_tokens,
                 tools=tools,
                 tool_choice=choice,
@@ -167,7 +176,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
+            run = ChatRun(daemon, request, runtime)
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
@@ -176,7 +185,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_chat_stream(run, reply_id, name), media_type="text/event-stream")
-        return await _chat_reply(run, http, reply_id, name)
+        return await answer(policy, lambda: _chat_reply(run, http, reply_id, name))
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -184,33 +193,38 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             return error("fill-in-the-middle with suffix is served by the session API's Complete", param="suffix")
         try:
             qos, invariant = scheduling(http, policy)
+            runtime = await runtime_for(daemon, body.model)
             request = ChatRequest(
                 messages=[],
                 prompt=body.prompt,
-                params=body.params(),
+                params=body.params(runtime.sampling),
                 max_tokens=body.max_tokens,
                 stop=_stops(body.stop),
                 ignore_eos=body.ignore_eos,
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request, await runtime_for(daemon, body.model))
+            run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, e.code)
         reply_id = f"cmpl-superfluid-{next(_ids)}"
         name = body.model or run.runtime.id
         if body.stream:
             return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
-        reply = await collect(run, http)
-        if reply is None:
-            return error("the client closed the connection", GONE, "client_closed")
-        outcome = run.result()
-        if isinstance(outcome, str):
-            return error(outcome, 500, "server_error")
-        choice = {"index": 0, "text": reply.text, "finish_reason": outcome.finish, "logprobs": None}
-        return JSONResponse(_reply(reply_id, "text_completion", name, choice, outcome))
+        return await answer(policy, lambda: _completion_reply(run, http, reply_id, name))
 
     return api
+
+
+async def _completion_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:
+    reply = await collect(run, http)
+    if reply is None:
+        return error("the client closed the connection", GONE, "client_closed")
+    outcome = run.result()
+    if isinstance(outcome, str):
+        return error(outcome, 500, "server_error")
+    choice = {"index": 0, "text": reply.text, "finish_reason": outcome.finish, "logprobs": None}
+    return JSONResponse(_reply(reply_id, "text_completion", name, choice, outcome))
 
 
 async def _chat_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:

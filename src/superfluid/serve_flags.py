@@ -1,0 +1,489 @@
+"""The flags of `superfluid serve`, their `SUPERFLUID_*` environment fallbacks, and the
+`ServeConfig` they make.
+
+Every flag with a value or a switch can also come from the environment: `--max-batch`
+from `SUPERFLUID_MAX_BATCH`, `--no-http` from `SUPERFLUID_NO_HTTP=1`, a repeatable flag
+such as `--model` from a comma-separated list. The command line wins over the
+environment. Flags of the reference daemon that no longer do anything are accepted with
+a one-line notice, so scripts written for it keep working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import DEFAULT_HTTP, DEFAULT_MAX_BATCH, SamplingDefaults, ServeConfig, default_sessions, default_socket
+from .protocol.schema import QOS_ALIASES, qos_class
+
+RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
+SPECULATE = ("off", "auto", "prompt-lookup")
+DEFAULT_PORT = 8453
+
+# retired reference flags: name -> whether it takes a value ("?" an optional one)
+RETIRED: dict[str, bool | str] = {
+    "--paged-kv": False,
+    "--prefix-cache": False,
+    "--continuous-batching": "?",
+    "--prefix-cache-file": True,
+    "--prefix-cache-save-interval": True,
+    "--files-dir": True,
+    "--media-dir": True,
+    "--metallib": True,
+    "--prefill-chunk": True,
+    "--gpu-wait-timeout-ms": True,
+    "--decode-replay": False,
+    "--paged-weights": False,
+    "--no-paged-weights-retry": False,
+    "--no-baked-decode": False,
+}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
+    return value
+
+
+def _fim_tokens(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"give three token ids, prefix,suffix,middle (such as 1,3,2), not {text}")
+    prefix, suffix, middle = (int(p) for p in parts)
+    return prefix, suffix, middle
+
+
+def _qos(text: str) -> int:
+    try:
+        return qos_class(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _context(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = _positive(text)
+    if value < 512:
+        raise argparse.ArgumentTypeError(f"must be at least 512 tokens (or auto), not {text}")
+    return value
+
+
+def _runtime(text: str) -> str:
+    """`ID` or `MODEL=ID`, with an optional `@INSTALL`; this build has llama.cpp only."""
+    runtime = text.rpartition("=")[2].partition("@")[0].strip().lower()
+    if runtime not in RUNTIMES:
+        raise argparse.ArgumentTypeError(
+            f"runtime {runtime!r} is not built in; this build has llamacpp (also spelled llama.cpp, llama-cpp) and auto"
+        )
+    return RUNTIMES[runtime]
+
+
+def _speculate(text: str) -> str:
+    if text not in SPECULATE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a strategy llama.cpp models can use; choose one of {', '.join(SPECULATE)}"
+        )
+    return text
+
+
+def _class_lanes(text: str) -> dict[int, int]:
+    """`class=N,...`: the most lanes each named class may hold at once."""
+    caps = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, count = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"give class=N pairs such as background=2,agent=6, not {item!r}")
+        caps[_qos(name.strip())] = _positive(count.strip())
+    return caps
+
+
+def _unit(low: float, high: float | None = None) -> Any:
+    def parse(text: str) -> float:
+        value = float(text)
+        if value < low or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, not {text}")
+        return value
+
+    return parse
+
+
+class Retired(argparse.Action):
+    """A flag of the reference daemon that does nothing here: noted, then ignored."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: str | None = None) -> None:
+        print(f"superfluid: {option} is retired and does nothing; it is ignored", file=sys.stderr)
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """Every `serve` flag, in groups as `--help` shows them."""
+    serve.add_argument(
+        "model", nargs="?", metavar="MODEL", help="a .gguf path or org/repo-GGUF:QUANT (default: embedded)"
+    )
+    model = serve.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        dest="more_models",
+        action="append",
+        default=[],
+        metavar="M",
+        help="serve this model too (repeatable); the first named, MODEL or --model, is the default, which the "
+        "session API uses; HTTP requests pick theirs by their model field",
+    )
+    model.add_argument(
+        "--runtime",
+        type=_runtime,
+        default="auto",
+        metavar="ID",
+        help="the runtime, as ID or MODEL=ID: llamacpp (also llama.cpp, llama-cpp) or auto; this build has "
+        "llama.cpp only (default: auto)",
+    )
+    model.add_argument("--offline", action="store_true", help="never download a model; use the local cache only")
+    model.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=0.0,
+        metavar="SEC",
+        help="unload a model that served nothing for SEC seconds (never the default one); a request naming it "
+        "loads it again (default: 0, never)",
+    )
+    model.add_argument(
+        "--fim-tokens",
+        type=_fim_tokens,
+        metavar="PRE,SUF,MID",
+        help="token ids of the fill-in-the-middle markers, for a GGUF whose metadata lacks them",
+    )
+
+    server = serve.add_argument_group("listeners")
+    server.add_argument(
+        "--http",
+        default=None,
+        metavar="ADDR",
+        help=f"address of the OpenAI, Anthropic and Ollama routes; wins over --host and --port "
+        f"(default: {DEFAULT_HTTP})",
+    )
+    server.add_argument("--host", default=None, metavar="ADDR", help="host of --http (default: 127.0.0.1)")
+    server.add_argument(
+        "--port", type=_positive, default=None, metavar="N", help=f"port of --http (default: {DEFAULT_PORT})"
+    )
+    server.add_argument(
+        "--no-http", action="store_true", help="serve the session API only (socket, and --web if given)"
+    )
+    server.add_argument(
+        "--sessions",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"directory of the session log; one daemon per directory (default: {default_sessions()}, "
+        "under $SUPERFLUID_HOME)",
+    )
+    server.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"unix socket of the session API, mode 0600; a stale file is replaced (default: {default_socket()})",
+    )
+    server.add_argument(
+        "--web",
+        metavar="127.0.0.1:PORT",
+        help="also serve the session API as JSON over HTTP and WebSocket on this loopback address",
+    )
+    server.add_argument(
+        "--web-origin",
+        dest="web_origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
+    )
+    server.add_argument(
+        "--nonstream-keepalive",
+        type=_seconds,
+        default=0.0,
+        metavar="SEC",
+        help="answer a non-streaming request's status and headers at once and write a space into its body "
+        "every SEC seconds until the reply, so proxies with idle timeouts keep the connection (default: 0, off)",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SEC",
+        help="on SIGUSR1, refuse new requests (503) and wait this long for those running, then exit 0 (default: 60)",
+    )
+
+    security = serve.add_argument_group("keys and limits")
+    security.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every HTTP route but /health",
+    )
+    security.add_argument(
+        "--key-policy",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help='keys with their own class, limits and rights: {"keys": [{"name", "key" or "key_env", "class", '
+        '"max_class", "rate_limit_rpm", "max_concurrent", "admin", "batch_invariant"}]}; turns keys on',
+    )
+    security.add_argument(
+        "--rate-limit",
+        type=int,
+        default=0,
+        metavar="RPM",
+        help="requests per minute one client IP may make (/health and /metrics are exempt) (default: 0, off)",
+    )
+
+    generation = serve.add_argument_group("generation")
+    generation.add_argument(
+        "--max-context",
+        type=_context,
+        default=None,
+        metavar="N",
+        help="tokens one session may hold, prompt and reply together; 'auto' is the model's trained "
+        "window up to 8192 (default: auto)",
+    )
+    generation.add_argument(
+        "--max-batch",
+        "--max-batch-size",
+        dest="max_batch",
+        type=_positive,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"generations decoded together in one batch (lanes) (default: {DEFAULT_MAX_BATCH})",
+    )
+    generation.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="tokens an HTTP request generates when it names no limit (default: fill the context)",
+    )
+    generation.add_argument(
+        "--temperature",
+        type=_unit(0.0),
+        default=None,
+        metavar="T",
+        help="default temperature (default: the model's, else 1)",
+    )
+    generation.add_argument(
+        "--top-p", type=_unit(0.0, 1.0), default=None, metavar="P", help="default top-p (default: the model's, else 1)"
+    )
+    generation.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="default top-k; 0 keeps every token (default: the model's, else 40)",
+    )
+    generation.add_argument(
+        "--min-p", type=_unit(0.0, 1.0), default=None, metavar="P", help="default min-p (default: the model's, else 0)"
+    )
+    generation.add_argument(
+        "--repeat-penalty",
+        type=_unit(0.0),
+        default=None,
+        metavar="R",
+        help="default repeat penalty, 1 is none (default: the model's, else 1)",
+    )
+    generation.add_argument(
+        "--speculate",
+        type=_speculate,
+        default="off",
+        metavar="MODE",
+        help=f"speculative decoding: {', '.join(SPECULATE)} (default: off)",
+    )
+    generation.add_argument(
+        "--threads", type=_positive, default=None, metavar="N", help="CPU threads for llama.cpp (default: all cores)"
+    )
+    generation.add_argument(
+        "--host-cache-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="host memory for prefixes evicted from the KV slots; they come back without a prefill "
+        "(default: a quarter of RAM, at most 2048; 0 turns it off)",
+    )
+
+    scheduling = serve.add_argument_group("scheduling")
+    classes = ", ".join(sorted(QOS_ALIASES))
+    scheduling.add_argument(
+        "--http-default-qos",
+        type=_qos,
+        default="agent",
+        metavar="CLASS",
+        help="scheduling class of HTTP requests that name none in x-superfluid-qos: interactive, completion, "
+        "agent or background (default: agent)",
+    )
+    scheduling.add_argument(
+        "--no-http-qos-header",
+        action="store_true",
+        help="ignore x-superfluid-qos: every HTTP request runs in --http-default-qos (any client could claim "
+        "interactive otherwise)",
+    )
+    scheduling.add_argument(
+        "--http-allow-batch-invariant",
+        action="store_true",
+        help="grant x-superfluid-batch-invariant (a lane that runs alone: one client can then slow every other)",
+    )
+    scheduling.add_argument(
+        "--class-lanes",
+        type=_class_lanes,
+        default={},
+        metavar="CLASS=N,...",
+        help=f"the most lanes a class may hold at once, such as background=2; classes: {classes} (default: no caps)",
+    )
+    scheduling.add_argument(
+        "--worker-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run llama.cpp in a worker process (superfluid-worker-llamacpp), so a crash there costs the "
+        "generations in flight and not the daemon; --no-worker-process runs it inside the daemon, for "
+        "debugging (default: a worker)",
+    )
+
+    logging = serve.add_argument_group("logging")
+    logging.add_argument(
+        "--log-filter",
+        default="info",
+        metavar="DIRECTIVE",
+        help="log levels, such as info or superfluid.scheduler=debug,info",
+    )
+    logging.add_argument("-v", "--verbose", action="store_true", help="debug logging (same as --log-filter debug)")
+    logging.add_argument(
+        "--log-file", type=Path, default=None, metavar="PATH", help="append the log here, not to stderr"
+    )
+    logging.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write the log as JSON lines to DIR/superfluid.N.jsonl, 64 MiB a file, 8 kept, mode 0600; "
+        "no prompt or reply text is ever logged",
+    )
+    logging.add_argument(
+        "--tui",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the terminal monitor; superfluid has none yet, so --tui says so and logs to stderr",
+    )
+
+    for flag, value in RETIRED.items():
+        nargs = {False: 0, True: None, "?": "?"}[value]
+        serve.add_argument(flag, action=Retired, nargs=nargs, help=argparse.SUPPRESS)
+
+
+def environment_name(action: argparse.Action) -> str | None:
+    """`SUPERFLUID_MAX_BATCH` for --max-batch; None for flags the environment does not set."""
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs or isinstance(action, (Retired, argparse._HelpAction, argparse._VersionAction)):
+        return None
+    return "SUPERFLUID_" + longs[0][2:].upper().replace("-", "_")
+
+
+def _truth(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"${name} must be 1 or 0 (true or false), not {text!r}")
+
+
+def apply_environment(serve: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Defaults from `SUPERFLUID_*` variables, and each flag's variable named in its help."""
+    environ = dict(os.environ) if environ is None else environ
+    for action in serve._actions:
+        name = environment_name(action)
+        if name is None:
+            continue
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help += f" [${name}]"
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            action.default = _from_environment(action, name, raw)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            serve.error(f"${name}: {e}")
+
+
+def _from_environment(action: argparse.Action, name: str, raw: str) -> Any:
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+        return _truth(name, raw)
+    convert = action.type if callable(action.type) else str
+    if isinstance(action, argparse._AppendAction):
+        return [convert(item.strip()) for item in raw.split(",") if item.strip()]
+    return convert(raw)
+
+
+def http_address(args: argparse.Namespace) -> str:
+    """--http, else --host and --port, else the default."""
+    if args.http:
+        return args.http
+    host = args.host or DEFAULT_HTTP.rpartition(":")[0]
+    return f"[{host}]:{args.port or DEFAULT_PORT}" if ":" in host else f"{host}:{args.port or DEFAULT_PORT}"
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    config = ServeConfig(
+        models=([args.model] if args.model else []) + args.more_models,
+        idle_timeout=args.idle_timeout,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        http=http_address(args),
+        no_http=args.no_http,
+        web=args.web,
+        web_origins=args.web_origins,
+        offline=args.offline,
+        fim_tokens=args.fim_tokens,
+        log_filter="debug" if args.verbose else args.log_filter,
+        http_default_qos=args.http_default_qos,
+        http_qos_header=not args.no_http_qos_header,
+        http_allow_batch_invariant=args.http_allow_batch_invariant,
+        worker_process=args.worker_process,
+        max_tokens=args.max_tokens,
+        sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p, args.repeat_penalty),
+        class_lanes=args.class_lanes,
+        nonstream_keepalive=args.nonstream_keepalive,
+        api_key=args.api_key,
+        key_policy=args.key_policy,
+        rate_limit=max(0, args.rate_limit),
+        drain_timeout=args.drain_timeout,
+        log_file=args.log_file,
+        log_dir=args.log_dir,
+    )
+    if args.sessions is not None:
+        config.sessions = args.sessions.expanduser()
+    if args.socket is not None:
+        config.socket = args.socket.expanduser()
+    if args.threads is not None:
+        config.threads = args.threads
+    if args.host_cache_mb is not None:
+        config.host_cache_mb = max(0, args.host_cache_mb)
+    return config
+
+
+def notices(args: argparse.Namespace) -> Sequence[str]:
+    """One line each for flags that are accepted but do nothing yet."""
+    out = []
+    if args.tui:
+        out.append("--tui: superfluid has no terminal monitor yet; logging to stderr")
+    if args.speculate != "off":
+        out.append(f"--speculate {args.speculate}: speculative decoding is not built yet; decoding token by token")
+    return out
