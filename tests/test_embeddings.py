@@ -8,7 +8,10 @@ changes nothing in it.
 from __future__ import annotations
 
 import base64
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -174,3 +177,21 @@ def test_embeddings_beside_a_streaming_chat_change_nothing_in_it(api: HttpDaemon
     thread.join(60)
     assert overlapped >= 1
     assert text == [reference_text], "the chat's greedy text is the same with embeddings beside it"
+
+
+def test_embeddings_come_back_after_the_worker_dies(api: HttpDaemon) -> None:
+    def worker_pid() -> int | None:
+        models = httpx.get(f"{api.url}/v1/models").json()["data"]
+        return next(m["runtime"]["worker_pid"] for m in models if m["default"])
+
+    killed = worker_pid()
+    if killed is None:
+        pytest.skip("the engine runs in the daemon: there is no worker to kill")
+    before = vectors(api, TEXTS)
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while worker_pid() in (killed, None):
+        assert time.monotonic() < deadline, "no new worker came up"
+        time.sleep(0.1)
+    for got, want in zip(vectors(api, TEXTS), before, strict=True):
+        assert close(got, want)
