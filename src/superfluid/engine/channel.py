@@ -2,10 +2,11 @@
 
 `WorkerEngine` starts `superfluid-worker-llamacpp` on a socket pair, in the daemon's
 process group, with the daemon's environment minus anything that looks like a credential.
-Every engine call is one frame out and one back. When the worker dies, the call in flight
-raises `WorkerGone` (the channel reads end of file), and a watcher thread notices a death
-between calls at once; `restart` starts another worker, waiting longer each time one dies
-soon after the last.
+Every engine call is one frame out and one back, one call at a time (embeddings come from
+other threads than the scheduler's). When the worker dies, the call in flight raises
+`WorkerGone` (the channel reads end of file), and a watcher thread notices a death between
+calls at once; `restart` starts another worker, waiting longer each time one dies soon
+after the last.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class WorkerEngine:
         self._deaths: list[float] = []  # deaths of workers that never finished a step
         self._served = False
         self._stopping = False
+        # the scheduler's thread makes most calls, HTTP routes' threads embed: one call on the channel at a time
+        self._calling = threading.Lock()
         # a step's time in all, and its time inside the worker: the difference is the channel's cost
         self.step_seconds = 0.0
         self.worker_seconds = 0.0
@@ -174,8 +177,9 @@ class WorkerEngine:
         if self._channel is None:
             raise WorkerGone("no llama.cpp worker is running")
         try:
-            wire.send(self._channel, kind, payload)
-            reply, body = wire.receive(self._channel)
+            with self._calling:
+                wire.send(self._channel, kind, payload)
+                reply, body = wire.receive(self._channel)
         except (wire.ChannelClosed, OSError):
             raise WorkerGone(f"the model's worker stopped ({self.exit_description()})") from None
         if reply == wire.OK:
@@ -223,3 +227,7 @@ class WorkerEngine:
 
     def close_grammar(self, handle: int) -> None:
         self._call(wire.CLOSE_GRAMMAR, wire.ints(handle))
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        reply = self._call(wire.EMBED, np.asarray(tokens, dtype="<i4").tobytes())
+        return np.frombuffer(reply, dtype="<f4").copy()

@@ -1,5 +1,6 @@
 """llama.cpp through llama-cpp-python's low-level API: a model, and one context whose
-KV memory is split into slots, one per sequence id.
+KV memory is split into slots, one per sequence id (plus, when embeddings are asked for, a
+small second context that pools them).
 
 The engine knows token ids, positions and sequence ids, nothing about sessions. Each
 sequence has a KV stream of its own (`kv_unified` off) and attention runs without flash
@@ -87,6 +88,9 @@ class LlamaModel:
         self.metadata = self._read_metadata()
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self._model)
+        # the width of an embedding; a vocab-only load reads no hyperparameters, so the metadata says it
+        arch = self.metadata.get("general.architecture", "")
+        self.n_embd = L.llama_model_n_embd_out(self._model) or int(self.metadata.get(f"{arch}.embedding_length", 0))
         self.bos = L.llama_vocab_bos(self._vocab)
         self.eos = L.llama_vocab_eos(self._vocab)
         self.size = path.stat().st_size
@@ -141,18 +145,19 @@ class LlamaModel:
             n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
-    def tokenize(self, text: str, special: bool) -> list[int]:
-        """Token ids of `text`; `special` parses marker text such as `<|im_end|>` as its token."""
-        if not text:
+    def tokenize(self, text: str, special: bool, *, add_special: bool = False) -> list[int]:
+        """Token ids of `text`; `special` parses marker text such as `<|im_end|>` as its token;
+        `add_special` adds the BOS (and EOS) the model's vocabulary asks for around a whole input."""
+        if not text and not add_special:
             return []
         raw = text.encode("utf-8")
         room = len(raw) + 16
         out = (L.llama_token * room)()
-        n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, False, special)
+        n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, add_special, special)
         if n < 0:
             room = -n
             out = (L.llama_token * room)()
-            n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, False, special)
+            n = L.llama_tokenize(self._vocab, raw, len(raw), out, room, add_special, special)
         return list(out[:n])
 
     def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
@@ -161,6 +166,15 @@ class LlamaModel:
 
     def token_text(self, token: int) -> str:
         return self.special_pieces[token].decode("utf-8", "replace")
+
+    @property
+    def pooling(self) -> int:
+        """How an embedding pools its tokens: the GGUF's own `<arch>.pooling_type` when it is mean, CLS or
+        last token, else mean (a chat model names none; a reranker's rank pooling yields scores, not vectors)."""
+        arch = self.metadata.get("general.architecture", "")
+        own = int(self.metadata.get(f"{arch}.pooling_type", L.LLAMA_POOLING_TYPE_NONE))
+        pooled = (L.LLAMA_POOLING_TYPE_MEAN, L.LLAMA_POOLING_TYPE_CLS, L.LLAMA_POOLING_TYPE_LAST)
+        return own if own in pooled else L.LLAMA_POOLING_TYPE_MEAN
 
     def close(self) -> None:
         if self._model:
@@ -330,3 +344,85 @@ class LlamaContext:
         if self._ctx:
             L.llama_free(self._ctx)
             self._ctx = None
+
+
+EMBED_OUTPUT_BYTES = 512 << 20  # what the logits rows of one embedding decode may take
+EMBED_MIN_TOKENS = 512  # llama-server's default bound on an embedding input
+
+
+def embedding_limit(model: LlamaModel, window: int) -> int:
+    """The longest input an embedding takes: the window, or fewer when the model's vocabulary is large.
+
+    With embeddings on, llama.cpp keeps a row of logits for every token of a decode, and an
+    input is decoded whole, so its length is bounded by what those rows may take.
+    """
+    return min(window, max(EMBED_MIN_TOKENS, EMBED_OUTPUT_BYTES // (4 * model.n_vocab)))
+
+
+class EmbeddingContext:
+    """A second llama.cpp context on a model, for embeddings: one sequence, embeddings on, pooled by
+    `LlamaModel.pooling`, not normalized.
+
+    llama.cpp pools within one micro-batch, so an input is decoded whole: the context (and its
+    batch) is sized to the longest input seen so far, in powers of two up to `embedding_limit`.
+    Its KV and compute buffers are separate from the generation context's, which never sees
+    these decodes.
+    """
+
+    def __init__(self, model: LlamaModel, threads: int, window: int) -> None:
+        self.model = model
+        self.threads = threads
+        self.limit = embedding_limit(model, window)
+        self.size = 0
+        self._ctx: L.llama_context_p | None = None
+        self._batch: L.llama_batch | None = None
+
+    def _open(self, size: int) -> None:
+        self.close()
+        params = L.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = size
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.threads
+        params.embeddings = True
+        params.pooling_type = self.model.pooling
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        ctx = L.llama_init_from_model(self.model._model, params)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create an embedding context of {size} tokens")
+        self._ctx, self.size = ctx, size
+        # every input is sequence 0 from position 0, and pooling reads every token's output
+        batch = self._batch = L.llama_batch_init(size, 0, 1)
+        np.ctypeslib.as_array(batch.pos, shape=(size,))[:] = np.arange(size)
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(size,))[:] = 1
+        np.ctypeslib.as_array(batch.logits, shape=(size,))[:] = 1
+        for i in range(size):
+            batch.seq_id[i][0] = 0
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        """The pooled embedding of one input, `n_embd` float32s."""
+        n = len(tokens)
+        if not 0 < n <= self.limit:
+            raise EngineError(f"an embedding input holds 1 to {self.limit} tokens, not {n}")
+        if n > self.size:
+            self._open(min(self.limit, max(256, 1 << (n - 1).bit_length())))
+        assert self._ctx is not None and self._batch is not None
+        L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        np.ctypeslib.as_array(self._batch.token, shape=(n,))[:] = tokens
+        self._batch.n_tokens = n
+        status = L.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            raise EngineError(f"llama_decode of an embedding input failed with status {status}")
+        pooled = L.llama_get_embeddings_seq(self._ctx, 0)
+        if not pooled:
+            raise EngineError("llama.cpp returned no pooled embedding")
+        return np.ctypeslib.as_array(pooled, shape=(self.model.n_embd,)).copy()
+
+    def close(self) -> None:
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        self.size = 0

@@ -6,12 +6,14 @@ parameters, the stream position its random draw is keyed by, whether end-of-gene
 banned, and the handle of its grammar). `LocalEngine` runs steps in this process: decode,
 then sample each wanted row, masked by the lane's grammar, which then accepts the token.
 The worker process (`worker.py`) serves the same calls over its channel (`channel.py`), so
-the scheduler never knows which one it drives.
+the scheduler never knows which one it drives. `embed` pools one input on a second context,
+called by the HTTP routes from their own threads, never by the scheduler.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from ..protocol.schema import GenParams
 from .grammar import Grammar
-from .llama import ContextShape, EngineError, LlamaContext
+from .llama import ContextShape, EmbeddingContext, EngineError, LlamaContext
 from .sampling import sample
 
 
@@ -75,6 +77,11 @@ class Engine(Protocol):
 
     def close_grammar(self, handle: int) -> None: ...
 
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        """The pooled embedding of one input (n_embd float32s), from a context of its own: the lanes'
+        KV is untouched. It may be called from another thread than the steps'."""
+        ...
+
     def restart(self) -> None: ...
 
     def close(self) -> None: ...
@@ -89,6 +96,8 @@ class LocalEngine:
         self.end_of_generation = context.model.end_of_generation
         self._grammars: dict[int, Grammar] = {}
         self._handles = itertools.count(1)
+        self._embedder: EmbeddingContext | None = None  # made on the first embedding asked for
+        self._embedding = threading.Lock()  # one embedding at a time: requests come from several threads
 
     @property
     def copy_pending(self) -> bool:
@@ -134,10 +143,20 @@ class LocalEngine:
         if grammar is not None:
             grammar.close()
 
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        # a context of its own, so this may run beside a step: llama.cpp contexts share only the weights
+        with self._embedding:
+            if self._embedder is None:
+                self._embedder = EmbeddingContext(self.context.model, self.shape.threads, self.shape.window)
+            return self._embedder.embed(tokens)
+
     def restart(self) -> None:
         """Nothing to restart in this process: llama.cpp failing here takes the daemon with it."""
 
     def close(self) -> None:
         for handle in list(self._grammars):
             self.close_grammar(handle)
+        with self._embedding:
+            if self._embedder is not None:
+                self._embedder.close()
         self.context.close()

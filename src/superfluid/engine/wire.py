@@ -4,7 +4,8 @@ A frame is a `u32` little-endian length, then a one-byte kind, then its payload.
 is one request frame answered by one reply frame, in order. A step travels as a small
 header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
 then one packed record per draw) and comes back as the drawn token ids, so a tick's traffic
-is a few hundred bytes whatever the vocabulary. KV exports travel as raw bytes.
+is a few hundred bytes whatever the vocabulary. KV exports travel as raw bytes, and so do
+an embedding's token ids and the vector it comes back as.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from .local import Draw, Step
 
 # request kinds (daemon -> worker)
 STEP, COPY, TRUNCATE, EXPORT, RESTORE, OPEN_GRAMMAR, CLOSE_GRAMMAR = range(1, 8)
+# an input's token ids (i32s) in, its pooled embedding (f32s) back; numbered apart from the
+# kinds above so that new step kinds can follow them
+EMBED = 32
 # reply kinds (worker -> daemon)
 OK, KV_FULL, FAILED, READY = 100, 101, 102, 103
 

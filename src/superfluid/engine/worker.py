@@ -49,6 +49,9 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     if kind == wire.CLOSE_GRAMMAR:
         engine.close_grammar(*wire.read_ints(payload, 1))
         return b""
+    if kind == wire.EMBED:
+        tokens = np.frombuffer(payload, dtype="<i4").tolist()
+        return np.asarray(engine.embed(tokens), dtype="<f4").tobytes()
     raise EngineError(f"unknown call {kind}")
 
 

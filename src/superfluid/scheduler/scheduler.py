@@ -73,6 +73,11 @@ URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 
 
+def _smoothed(average: float, sample: float) -> float:
+    """A moving average that follows the last few dozen samples; the first sample starts it."""
+    return sample if average == 0.0 else 0.9 * average + 0.1 * sample
+
+
 def _runs(slots: set[int]) -> int:
     """How many runs of consecutive numbers `slots` makes."""
     return sum(1 for s in slots if s - 1 not in slots)
@@ -109,6 +114,7 @@ class Job:
     admitted: bool = False
     done: bool = False
     queued_at: int = 0  # the step it was queued at, for aging
+    submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
     order: int = 0  # first come, first served within a class
 
 
@@ -145,6 +151,10 @@ class SchedulerStats:
     respawns: int = 0
     queue_depth: list[int] = field(default_factory=lambda: [0] * QOS_CLASSES)
     lanes_active: int = 0
+    tick_in_flight: bool = False
+    decode_tokens_per_second: float = 0.0  # smoothed over the steps that only decode
+    prefill_tokens_per_second: float = 0.0  # smoothed over the steps that prefill
+    last_ttft_seconds: float | None = None  # submission to first token, of the last job to get one
 
 
 class _Quiet:
@@ -224,6 +234,7 @@ class Scheduler:
         with self._cv:
             job.qos = min(max(job.qos, 0), QOS_CLASSES - 1)
             job.queued_at = self.stats.steps
+            job.submitted = time.monotonic()
             job.order = next(self._order)
             if job.qos <= QOS_COMPLETION:
                 self._urgent_until = time.monotonic() + URGENT_WINDOW_S
@@ -240,6 +251,12 @@ class Scheduler:
         with self._cv:
             job.cancelled = True
             self._cv.notify()
+
+    def kv_tokens(self) -> int:
+        """Tokens whose KV the slots hold: the running lanes' and the idle entries' (a snapshot: the lists
+        are copied whole, under the GIL, before they are read)."""
+        lanes, entries = list(self.lanes), list(self.cache.entries.values())
+        return sum(len(lane.held) for lane in lanes) + sum(len(entry.tokens) for entry in entries)
 
     def pin(self, tokens: list[int], until_ms: int) -> None:
         with self._cv:
@@ -260,6 +277,7 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopping:
                     return
+            self.stats.tick_in_flight = True
             try:
                 if self._worker_gone:
                     raise WorkerGone("the model's worker stopped")
@@ -270,6 +288,7 @@ class Scheduler:
                 log.exception("scheduler tick failed")
                 self._fail_all("scheduler fault")
             self.stats.ticks += 1
+            self.stats.tick_in_flight = False
             self.on_tick()
 
     def _recover(self, why: str) -> None:
@@ -573,6 +592,7 @@ class Scheduler:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
         self.stats.steps += 1
+        self._measure(plan, took)
         for lane, chunk, _ in plan:
             lane.held.extend(chunk)
             del lane.feed[: len(chunk)]
@@ -583,6 +603,16 @@ class Scheduler:
         for lane, token in zip(owners, drawn, strict=True):
             finished |= self._advance(lane, token)
         return finished | self._retire_prefilled()
+
+    def _measure(self, plan: list[tuple[Lane, list[int], int]], took: float) -> None:
+        """The engine's rates as /slots shows them: a step that prefills counts for prefill (its cost is
+        mostly the prompt's), one that only decodes for decode."""
+        prefilled = sum(len(chunk) for lane, chunk, _ in plan if not lane.job.generated)
+        stats = self.stats
+        if prefilled:
+            stats.prefill_tokens_per_second = _smoothed(stats.prefill_tokens_per_second, prefilled / took)
+        else:
+            stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, len(plan) / took)
 
     def _retire_prefilled(self) -> bool:
         done = [lane for lane in self.lanes if lane.job.prefill_only and not lane.feed]
@@ -627,6 +657,8 @@ class Scheduler:
             self._retire(lane, FINISH_STOP if job.grammar is None else FINISH_GRAMMAR)
             return True
         job.generated += 1
+        if job.generated == 1:
+            self.stats.last_ttft_seconds = time.monotonic() - job.submitted
         job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
             lane.feed = [token]  # sampled, not yet decoded: the slot holds everything before it

@@ -1,6 +1,7 @@
 """The main HTTP listener (`--http`): OpenAI, Anthropic and Ollama routes on one port.
 
-Also `GET /health` and `GET /metrics`. Keys, rate limits and draining are `access.py`'s.
+Also `GET /health`, `GET /metrics`, embeddings (`embeddings.py`) and the status and
+tokenizer routes (`status.py`). Keys, rate limits and draining are `access.py`'s.
 Requests from a web page of another site are
 refused (an `Origin` that is not this machine gets 403), and a loopback listener answers
 only loopback `Host` names, so a page cannot reach it through DNS rebinding.
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
-from . import anthropic, models, ollama, openai
+from . import anthropic, embeddings, models, ollama, openai, status
 from .access import AccessGate, Key
 from .chat_http import HttpPolicy
 from .listener import HttpListener, split_address
@@ -80,6 +81,8 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
     app.include_router(openai.router(daemon, policy))
     app.include_router(anthropic.router(daemon, policy))
     app.include_router(ollama.router(daemon, policy))
+    app.include_router(embeddings.router(daemon))
+    app.include_router(status.router(daemon))
     return app
 
 
