@@ -208,12 +208,17 @@ def test_a_model_that_does_not_load_is_a_clear_error(tmp_path: Path) -> None:
     assert str(broken) in started.stderr and "does not load" in started.stderr, started.stderr
 
 
-def test_several_models_load_unload_and_forget(tmp_path: Path) -> None:
+def two_models(tmp_path: Path, *extra: str, **sizes: int) -> HttpDaemon:
+    """A daemon serving the embedded model (the default) and a copy of it named `second`."""
     other = tmp_path / "models" / "second.gguf"
     other.parent.mkdir()
     shutil.copyfile(embedded_model().path, other)
     first = str(embedded_model().path)
-    proc = HttpDaemon(tmp_path, "--model", first, "--model", str(other), max_context=2048, max_batch=4).start()
+    return HttpDaemon(tmp_path, "--model", first, "--model", str(other), *extra, **sizes).start()
+
+
+def test_several_models_load_unload_and_forget(tmp_path: Path) -> None:
+    proc = two_models(tmp_path, max_context=2048, max_batch=4)
     try:
         listed = {m["id"]: m for m in httpx.get(f"{proc.url}/v1/models").json()["data"]}
         assert len(listed) == 2 and all(m["loaded"] for m in listed.values())
@@ -244,9 +249,11 @@ def test_several_models_load_unload_and_forget(tmp_path: Path) -> None:
         assert len(workers_of(proc)) == 1, "the unloaded model's worker exited"
         last = httpx.post(f"{proc.url}/v1/models/unload", json={"model": proc_default(proc)})
         assert last.status_code == 400, "the last loaded model stays"
-        again = httpx.post(f"{proc.url}/v1/chat/completions", json={**chat_body("Hi", 4, False), "model": second})
+        again = httpx.post(
+            f"{proc.url}/v1/chat/completions", json={**chat_body("Hi", 4, False), "model": second}, timeout=60
+        )
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4, "it loads on demand"
-        assert httpx.delete(f"{proc.url}/v1/models/{second}").json()["deleted"] is True
+        assert httpx.delete(f"{proc.url}/v1/models/{second}", timeout=60).json()["deleted"] is True
         assert [m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"]] == [proc_default(proc)]
         with proc.client() as c:  # the session API runs on the default model throughout
             session = new_session(c)
@@ -287,11 +294,7 @@ def test_the_socket_client_reports_a_cut_generation(daemon: HttpDaemon) -> None:
 
 
 def test_idle_models_unload_and_ollama_keep_alive_loads_them(tmp_path: Path) -> None:
-    other = tmp_path / "models" / "second.gguf"
-    other.parent.mkdir()
-    shutil.copyfile(embedded_model().path, other)
-    first = str(embedded_model().path)
-    proc = HttpDaemon(tmp_path, "--model", first, "--model", str(other), "--idle-timeout", "1").start()
+    proc = two_models(tmp_path, "--idle-timeout", "1")
     try:
 
         def loaded() -> dict[str, bool]:

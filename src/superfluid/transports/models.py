@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -91,26 +92,25 @@ def router(daemon: Daemon) -> APIRouter:
             return error(str(e), e.status, "model_load_failed")
         return JSONResponse({**entry(runtime.id), "load_seconds": round(time.monotonic() - started, 3)})
 
-    @api.post("/v1/models/unload")
-    async def unload(body: UnloadBody) -> Response:
-        model_id = known(body.model or body.id)
+    async def change(
+        name: str | None, action: Callable[[str], None], answer: Callable[[str], dict[str, Any]]
+    ) -> Response:
+        """Unload or forget the named model off the event loop; its entry, or why not."""
+        model_id = known(name)
         if isinstance(model_id, Response):
             return model_id
         try:
-            await asyncio.to_thread(models.unload, model_id)
+            await asyncio.to_thread(action, model_id)
         except ModelError as e:
             return error(str(e), e.status, "invalid_request_error")
-        return JSONResponse(entry(model_id))
+        return JSONResponse(answer(model_id))
+
+    @api.post("/v1/models/unload")
+    async def unload(body: UnloadBody) -> Response:
+        return await change(body.model or body.id, models.unload, entry)
 
     @api.delete("/v1/models/{model:path}")
     async def forget(model: str) -> Response:
-        model_id = known(model)
-        if isinstance(model_id, Response):
-            return model_id
-        try:
-            await asyncio.to_thread(models.forget, model_id)
-        except ModelError as e:
-            return error(str(e), e.status, "invalid_request_error")
-        return JSONResponse({"id": model_id, "object": "model", "deleted": True})
+        return await change(model, models.forget, lambda model_id: {"id": model_id, "object": "model", "deleted": True})
 
     return api
