@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from . import wire
 from .grammar import GrammarError
 from .llama import ContextShape, EngineError, KVFull, LlamaContext, LlamaModel
@@ -30,7 +28,8 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     """One call; its reply payload."""
     if kind == wire.STEP:
         started = time.perf_counter()
-        drawn = np.asarray(engine.step(wire.decode_step(payload)), dtype="<i4").tobytes()
+        step = wire.decode_step(payload)
+        drawn = wire.encode_drawn(engine.step(step), step.logprobs)
         return drawn + struct.pack("<d", time.perf_counter() - started)  # what the step cost here
     if kind == wire.COPY:
         engine.copy(*wire.read_ints(payload, 3))
@@ -48,6 +47,11 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
         return wire.ints(engine.open_grammar(bytes(payload).decode("utf-8")))
     if kind == wire.CLOSE_GRAMMAR:
         engine.close_grammar(*wire.read_ints(payload, 1))
+        return b""
+    if kind == wire.OPEN_SHAPING:
+        return wire.ints(engine.open_shaping(*wire.decode_shaping(payload)))
+    if kind == wire.CLOSE_SHAPING:
+        engine.close_shaping(*wire.read_ints(payload, 1))
         return b""
     raise EngineError(f"unknown call {kind}")
 
