@@ -120,6 +120,8 @@ def decode_step(payload: memoryview) -> Step:
 
 def encode_drawn(tokens: list[int], logprobs: dict[int, LogprobRow]) -> bytes:
     """A step's reply: the drawn token ids, then a record per draw that asked for log probabilities."""
+    if not logprobs:
+        return np.asarray(tokens, dtype="<i4").tobytes()
     rows = np.zeros(len(logprobs), dtype=LOGPROBS)
     for i, (draw, row) in enumerate(sorted(logprobs.items())):
         rows[i]["draw"], rows[i]["logprob"], rows[i]["count"] = draw, row.logprob, len(row.top)
@@ -130,6 +132,8 @@ def encode_drawn(tokens: list[int], logprobs: dict[int, LogprobRow]) -> bytes:
 
 def decode_drawn(payload: memoryview, draws: int) -> tuple[list[int], dict[int, LogprobRow]]:
     tokens = np.frombuffer(payload, dtype="<i4", count=draws)
+    if len(payload) == 4 * draws:
+        return tokens.tolist(), {}
     records = np.frombuffer(payload, dtype=LOGPROBS, offset=4 * draws)
     logprobs = {
         int(r["draw"]): LogprobRow(
