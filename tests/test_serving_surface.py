@@ -56,7 +56,12 @@ def test_the_reference_command_line_serves(tmp_path: Path) -> None:
 
 
 def test_flags_come_from_the_environment_and_the_command_line_wins(tmp_path: Path) -> None:
-    env = {"SUPERFLUID_MAX_BATCH": "3", "SUPERFLUID_MAX_TOKENS": "5", "SUPERFLUID_TEMPERATURE": "0"}
+    env = {
+        "SUPERFLUID_MAX_BATCH": "3",
+        "SUPERFLUID_MAX_TOKENS": "5",
+        "SUPERFLUID_TEMPERATURE": "0",
+        "SUPERFLUID_REPEAT_PENALTY": "1.3",
+    }
     os.environ.update(env)
     try:
         proc = HttpDaemon(tmp_path, max_context=1024, max_batch=2)
@@ -73,10 +78,12 @@ def test_flags_come_from_the_environment_and_the_command_line_wins(tmp_path: Pat
         replies = [httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
         assert [r["usage"]["completion_tokens"] for r in replies] == [5, 5], "--max-tokens caps a request"
         greedy = httpx.post(
-            f"{proc.url}/v1/chat/completions", json={**body, "max_tokens": 5, "temperature": 0}, timeout=60
+            f"{proc.url}/v1/chat/completions",
+            json={**body, "max_tokens": 5, "temperature": 0, "repeat_penalty": 1.3},
+            timeout=60,
         ).json()
         texts = {r["choices"][0]["message"]["content"] for r in [*replies, greedy]}
-        assert len(texts) == 1, "with --temperature 0 a request that names none is greedy"
+        assert len(texts) == 1, "a request that names no sampling gets --temperature and --repeat-penalty"
     finally:
         proc.stop()
     usage = serve("--help").stdout

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from .engine.shaping import LogprobRow
 from .protocol.schema import EventMsg
 
 QUEUE_LIMIT = 1024
@@ -34,10 +35,11 @@ class Committed:
 
 @dataclass(frozen=True)
 class Provisional:
-    """Text ahead of its commit."""
+    """Text ahead of its commit; for a generation that asked, the log probabilities of its tokens."""
 
     channel: int
     text: str
+    logprobs: tuple[LogprobRow, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ conversation is rendered through the chat template as a whole, committed as a ne
 (`Created`, the conversation as one `Appended`, the assistant opener as
 `GenerationPrompt`) and generated like any session, so it is logged, and its prefix is
 cached for the next request of the same conversation. `ChatRun` turns the generation's
-outcomes into pieces of reply: text, reasoning and tool calls, with stop strings applied.
+outcomes into pieces of reply: text, reasoning and tool calls, with stop strings applied
+(and the log probabilities of the text's tokens, when the request's shaping asks for them).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 from .daemon import Daemon, DaemonError
 from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
+from .engine.shaping import Shaping
 from .generation import Committed, Done, Provisional
+from .logprobs import LogprobText, TokenLogprob
 from .model.template import TemplateProblem
 from .protocol.schema import (
     CHANNEL_REASONING,
@@ -36,12 +39,16 @@ B = EventBody
 
 
 class ChatError(ValueError):
-    """A chat request the daemon cannot serve; `status` is the HTTP status to answer with."""
+    """A chat request the daemon cannot serve; `status` is the HTTP status to answer with, `param`
+    the request field at fault when one is."""
 
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.param = param
 
 
 @dataclass
@@ -59,6 +66,8 @@ class ChatRequest:
     batch_invariant: bool = False
     prompt: str | None = None  # a raw prompt, rendered with no template at all
     ignore_eos: bool = False  # decode to max_tokens: end-of-generation tokens are never drawn
+    shaping: Shaping | None = None  # logit bias, penalties, log probabilities
+    template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template (enable_thinking, ...)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class Piece:
     name: str = ""
     arguments: str = ""
     call_id: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens of a text piece, when the request asked
 
 
 @dataclass
@@ -93,8 +103,10 @@ class Collected:
     reasoning: str = ""
     calls: list[Piece] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, piece: Piece) -> None:
+        self.logprobs.extend(piece.logprobs)
         if piece.kind == "text":
             self.text += piece.text
         elif piece.kind == "reasoning":
@@ -127,9 +139,16 @@ class ChatRun:
                 prompt, opener = runtime.model.tokenize(request.prompt, False), []
             else:
                 tools = request.tools if request.tool_choice != "none" else []
-                prompt, opener = template.conversation(request.messages, tools)
+                prompt, opener = template.conversation(request.messages, tools, request.template_vars)
         except TemplateProblem as e:
             raise ChatError(str(e)) from None
+        n_vocab = runtime.model.n_vocab
+        bad = [t for t, _ in request.shaping.logit_bias if not 0 <= t < n_vocab] if request.shaping else []
+        if bad:
+            raise ChatError(
+                f"logit_bias names token {bad[0]}, outside this model's vocabulary (0..{n_vocab - 1})",
+                param="logit_bias",
+            )
         self._generation: Any = None
         self.prompt_tokens = len(prompt) + len(opener)
         if self.prompt_tokens >= runtime.window:
@@ -172,11 +191,13 @@ class ChatRun:
                 provisional=True,
                 grammar=self.grammar,
                 runtime=self.runtime,
+                shaping=self.request.shaping,
             )
         except DaemonError as e:
             self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=str(e))
             return
         stops = StopScanner(self.request.stop)
+        logprobs = LogprobText(self.runtime.model.pieces)
         calls = 0
         ended = False
         try:
@@ -185,9 +206,11 @@ class ChatRun:
                     if outcome.channel == CHANNEL_REASONING:
                         yield Piece("reasoning", outcome.text)
                         continue
+                    logprobs.add(outcome.logprobs)
                     text, hit = stops.feed(outcome.text)
-                    if text:
-                        yield Piece("text", text)
+                    rows = logprobs.release(len(text))
+                    if text or rows:
+                        yield Piece("text", text, logprobs=rows)
                     if hit is not None:
                         generation.cancel()
                 elif isinstance(outcome, Committed) and isinstance(outcome.event.body, B.ToolUse):
@@ -198,9 +221,10 @@ class ChatRun:
                     )
                 elif isinstance(outcome, Done):
                     ended = True
-                    tail = stops.flush()
-                    if tail and stops.hit is None:
-                        yield Piece("text", tail)
+                    tail = stops.flush() if stops.hit is None else ""
+                    rows = logprobs.release(len(tail)) + logprobs.rest(cut=stops.hit is not None)
+                    if tail or rows:
+                        yield Piece("text", tail, logprobs=rows)
                     self.outcome = Outcome(
                         _finish(outcome.finish, calls, stops.hit),
                         self.prompt_tokens,
@@ -219,6 +243,11 @@ class ChatRun:
         async for piece in self.pieces():
             reply.add(piece)
         return reply
+
+    @property
+    def warm(self) -> int:
+        """Prompt tokens served from the cache: known once the generation has a lane (0 before)."""
+        return self._generation.warm_prefix if self._generation is not None else 0
 
     def result(self) -> Outcome | str:
         """How the run ended once its pieces are consumed: the outcome, or what went wrong."""

@@ -21,6 +21,7 @@ from typing import Any
 from .bus import END_PURGED, Bus, Subscription
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
 from .engine.llama import LlamaModel
+from .engine.shaping import Shaping
 from .generation import Done, GenerationRun, Generations, Outcome
 from .logsetup import set_log_directive
 from .metrics import Metrics
@@ -96,10 +97,22 @@ class QueueListener:
 class Generation:
     """A Generate as its caller sees it: outcomes to read in order, and a way to stop it."""
 
-    def __init__(self, listener: QueueListener | None, stop: Callable[[], None], immediate: Done | None = None) -> None:
+    def __init__(
+        self,
+        listener: QueueListener | None,
+        stop: Callable[[], None],
+        immediate: Done | None = None,
+        job: Job | None = None,
+    ) -> None:
         self._listener = listener
         self._stop = stop
         self._immediate = immediate
+        self._job = job
+
+    @property
+    def warm_prefix(self) -> int:
+        """Prompt tokens that came from the cache: known once the generation has a lane (0 before)."""
+        return self._job.warm_prefix if self._job is not None else 0
 
     async def next(self, timeout: float | None = None) -> Outcome | None:
         """The next outcome; None when `timeout` seconds pass without one."""
@@ -530,12 +543,19 @@ class Daemon:
         return None
 
     def generate(
-        self, req: R.Generate, *, provisional: bool, grammar: str | None = None, runtime: Runtime | None = None
+        self,
+        req: R.Generate,
+        *,
+        provisional: bool,
+        grammar: str | None = None,
+        runtime: Runtime | None = None,
+        shaping: Shaping | None = None,
     ) -> Generation:
         """Start a generation on `runtime` (the default model); its outcomes arrive by iterating
         the returned `Generation`.
 
         `grammar` (GBNF) constrains every token; the generation ends with finish 3 when it is complete.
+        `shaping` (the HTTP APIs' logit bias, penalties and log probabilities) applies to this generation only.
         """
         runtime = runtime or self.runtime
         model, template, window = runtime.model, runtime.template, runtime.window
@@ -588,12 +608,13 @@ class Daemon:
             )
             job = run.job
             job.grammar = grammar
+            job.shaping = shaping if shaping is not None and shaping.needed else None
             run.scheduler = scheduler = runtime.scheduler
             self.running[s.id] = run
             self.generations.add(run)
             self.metrics.generations.inc()
         scheduler.submit(job)
-        return Generation(listener, lambda: scheduler.cancel(job))
+        return Generation(listener, lambda: scheduler.cancel(job), job=job)
 
     def _release(self, run: GenerationRun) -> None:
         """Committer thread: the run's last event is durable; the session takes requests again."""

@@ -1,7 +1,8 @@
 """Generations in flight: sampled tokens in, committed events out.
 
 A `GenerationRun` is one Generate on one session. The scheduler thread feeds it tokens
-(classified into channels as they come, and offered as provisional text at once); at
+(classified into channels as they come, and offered as provisional text at once, with the
+log probabilities of the text's tokens when the job asked for them); at
 the end of each scheduler tick `Generations.on_tick` gathers every run's new tokens
 into `Generated` records (one per channel run) and hands them to the committer thread,
 which writes the whole tick in one transaction and only then delivers the events.
@@ -14,11 +15,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from .bus import Committed, Provisional
+from .engine.shaping import LogprobRow
 from .metrics import Metrics
 from .model.channels import ChannelSplitter, Piece
 from .model.toolcall import parse_tool_call
@@ -99,6 +102,7 @@ class GenerationRun:
         self.finish: int | None = None
         self.error: str | None = None
         self._pending: list[Piece] = []
+        self._rows: deque[LogprobRow] = deque()  # of tokens the splitter holds back, in order
         self.submitted = time.monotonic()
         self.first_commit: float | None = None
         self.scheduler: Scheduler | None = None  # the one its job was submitted to
@@ -115,13 +119,19 @@ class GenerationRun:
     # ---- scheduler thread ----
 
     def tokens(self, job: Job, tokens: list[int]) -> None:
+        self._rows.extend(job.logprobs)  # one per token when the job asked for them
+        job.logprobs.clear()
         for token in tokens:
             for piece in self.splitter.feed(token):
                 self._pending.append(piece)
-                if piece.text and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
+                rows = tuple(self._rows.popleft() for _ in piece.tokens if self._rows)
+                if piece.channel != CHANNEL_TEXT:
+                    rows = ()  # log probabilities describe the reply's content
+                if (piece.text or rows) and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
                     if self.provisional:
-                        self.listener.put(Provisional(piece.channel, piece.text))
-                    self.publisher.provisional(self.session, piece.channel, piece.text)
+                        self.listener.put(Provisional(piece.channel, piece.text, rows))
+                    if piece.text:
+                        self.publisher.provisional(self.session, piece.channel, piece.text)
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
         self.finish = finish

@@ -31,6 +31,7 @@ from . import wire
 from .grammar import GrammarError
 from .llama import ContextShape, EngineError, KVFull
 from .local import Step, WorkerGone
+from .shaping import Shaping
 
 log = logging.getLogger("superfluid.engine")
 
@@ -206,7 +207,8 @@ class WorkerEngine:
         (inside,) = struct.unpack_from("<d", reply, len(reply) - 8)
         self.step_seconds += time.perf_counter() - started
         self.worker_seconds += inside
-        return np.frombuffer(reply[:-8], dtype="<i4").tolist()
+        drawn, step.logprobs = wire.decode_drawn(reply[:-8], len(step.draws))
+        return drawn
 
     def copy(self, source: int, target: int, length: int) -> None:
         self._call(wire.COPY, wire.ints(source, target, length))
@@ -231,3 +233,10 @@ class WorkerEngine:
     def embed(self, tokens: list[int]) -> np.ndarray:
         reply = self._call(wire.EMBED, np.asarray(tokens, dtype="<i4").tobytes())
         return np.frombuffer(reply, dtype="<f4").copy()
+
+    def open_shaping(self, shaping: Shaping, recent: list[int]) -> int:
+        (handle,) = wire.read_ints(self._call(wire.OPEN_SHAPING, wire.encode_shaping(shaping, recent)), 1)
+        return handle
+
+    def close_shaping(self, handle: int) -> None:
+        self._call(wire.CLOSE_SHAPING, wire.ints(handle))

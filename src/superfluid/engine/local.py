@@ -3,8 +3,10 @@
 A `Step` is one llama_decode: token ids, positions and sequence ids, and for each lane
 whose last token it carries, a `Draw` saying how to pick the next token (sampling
 parameters, the stream position its random draw is keyed by, whether end-of-generation is
-banned, and the handle of its grammar). `LocalEngine` runs steps in this process: decode,
-then sample each wanted row, masked by the lane's grammar, which then accepts the token.
+banned, and the handles of its grammar and of its `Shaping`). `LocalEngine` runs steps in
+this process: decode, then sample each wanted row, shaped (bias, penalties) and masked by the
+lane's grammar, which then accepts the token; a lane whose shaping asks for log probabilities
+gets them back in the step's `logprobs`.
 The worker process (`worker.py`) serves the same calls over its channel (`channel.py`), so
 the scheduler never knows which one it drives. `embed` pools one input on a second context,
 called by the HTTP routes from their own threads, never by the scheduler.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +25,7 @@ from ..protocol.schema import GenParams
 from .grammar import Grammar
 from .llama import ContextShape, EmbeddingContext, EngineError, LlamaContext
 from .sampling import sample
+from .shaping import LogprobRow, Shaper, Shaping, log_softmax_row
 
 
 class WorkerGone(EngineError):
@@ -37,17 +40,22 @@ class Draw:
     position: int  # the stream position of the token drawn: its random draw is keyed by it
     ignore_eos: bool = False
     grammar: int = 0  # an `open_grammar` handle; 0 for none
+    shaping: int = 0  # an `open_shaping` handle; 0 for none
 
 
 @dataclass
 class Step:
-    """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order."""
+    """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order.
+
+    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them.
+    """
 
     tokens: np.ndarray
     positions: np.ndarray
     seqs: np.ndarray
     want: np.ndarray
     draws: list[Draw]
+    logprobs: dict[int, LogprobRow] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -82,19 +90,24 @@ class Engine(Protocol):
         KV is untouched. It may be called from another thread than the steps'."""
         ...
 
+    def open_shaping(self, shaping: Shaping, recent: list[int]) -> int: ...
+
+    def close_shaping(self, handle: int) -> None: ...
+
     def restart(self) -> None: ...
 
     def close(self) -> None: ...
 
 
 class LocalEngine:
-    """llama.cpp in this process: a context and the grammars of the lanes that have one."""
+    """llama.cpp in this process: a context, and the grammars and shapings of the lanes that have one."""
 
     def __init__(self, context: LlamaContext) -> None:
         self.context = context
         self.shape = context.shape
         self.end_of_generation = context.model.end_of_generation
         self._grammars: dict[int, Grammar] = {}
+        self._shapers: dict[int, Shaper] = {}
         self._handles = itertools.count(1)
         self._embedder: EmbeddingContext | None = None  # made on the first embedding asked for
         self._embedding = threading.Lock()  # one embedding at a time: requests come from several threads
@@ -105,7 +118,21 @@ class LocalEngine:
 
     def step(self, step: Step) -> list[int]:
         logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
-        return [self._draw(row, draw) for row, draw in zip(logits, step.draws, strict=True)]
+        drawn = []
+        for index, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):
+            shaper = self._shapers.get(draw.shaping) if draw.shaping else None
+            if shaper is None:
+                drawn.append(self._draw(row, draw))
+                continue
+            asked = shaper.shaping.logprobs
+            raw = row.copy() if asked >= 0 else None  # log probabilities are of the model's own row
+            shaper.apply(row)
+            token = self._draw(row, draw)
+            shaper.accept(token)
+            if raw is not None:
+                step.logprobs[index] = log_softmax_row(raw, token, asked)
+            drawn.append(token)
+        return drawn
 
     def _draw(self, logits: np.ndarray, draw: Draw) -> int:
         grammar = self._grammars.get(draw.grammar) if draw.grammar else None
@@ -149,6 +176,15 @@ class LocalEngine:
             if self._embedder is None:
                 self._embedder = EmbeddingContext(self.context.model, self.shape.threads, self.shape.window)
             return self._embedder.embed(tokens)
+
+    def open_shaping(self, shaping: Shaping, recent: list[int]) -> int:
+        """Bias, penalties and log probabilities for one lane; `recent` is its prompt's tail."""
+        handle = next(self._handles)
+        self._shapers[handle] = Shaper(shaping, recent, self.end_of_generation)
+        return handle
+
+    def close_shaping(self, handle: int) -> None:
+        self._shapers.pop(handle, None)
 
     def restart(self) -> None:
         """Nothing to restart in this process: llama.cpp failing here takes the daemon with it."""

@@ -4,8 +4,10 @@ A frame is a `u32` little-endian length, then a one-byte kind, then its payload.
 is one request frame answered by one reply frame, in order. A step travels as a small
 header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
 then one packed record per draw) and comes back as the drawn token ids, so a tick's traffic
-is a few hundred bytes whatever the vocabulary. KV exports travel as raw bytes, and so do
-an embedding's token ids and the vector it comes back as.
+is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
+probabilities add a fixed-size record each to the reply. A job's shaping (bias, penalties,
+how many log probabilities) travels once, when it is opened. KV exports travel as raw bytes,
+and so do an embedding's token ids and the vector it comes back as.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import numpy as np
 
 from ..protocol.schema import GenParams
 from .local import Draw, Step
+from .shaping import MAX_TOP_LOGPROBS, LogprobRow, Shaping
 
 # request kinds (daemon -> worker)
 STEP, COPY, TRUNCATE, EXPORT, RESTORE, OPEN_GRAMMAR, CLOSE_GRAMMAR = range(1, 8)
-# an input's token ids (i32s) in, its pooled embedding (f32s) back; numbered apart from the
-# kinds above so that new step kinds can follow them
-EMBED = 32
+# numbered apart from the kinds above, so that new step kinds can follow them
+EMBED = 32  # an input's token ids (i32s) in, its pooled embedding (f32s) back
+OPEN_SHAPING, CLOSE_SHAPING = 33, 34  # a job's sampling extras, opened once and closed at its end
 # reply kinds (worker -> daemon)
 OK, KV_FULL, FAILED, READY = 100, 101, 102, 103
 
@@ -36,9 +39,20 @@ DRAW = np.dtype(
         ("position", "<u4"),
         ("ignore_eos", "u1"),
         ("grammar", "<u4"),
+        ("shaping", "<u4"),
+    ]
+)
+LOGPROBS = np.dtype(
+    [
+        ("draw", "<u4"),
+        ("logprob", "<f4"),
+        ("count", "<u4"),
+        ("ids", "<i4", (MAX_TOP_LOGPROBS,)),
+        ("values", "<f4", (MAX_TOP_LOGPROBS,)),
     ]
 )
 _HEAD = struct.Struct("<II")  # tokens in the batch, draws
+_SHAPING = struct.Struct("<fffiII")  # presence, frequency, repeat, logprobs, biased tokens, recent tokens
 _LENGTH = struct.Struct("<I")
 
 
@@ -73,7 +87,7 @@ def encode_step(step: Step) -> bytes:
     draws = np.zeros(len(step.draws), dtype=DRAW)
     for i, d in enumerate(step.draws):
         p = d.params
-        draws[i] = (p.temperature, p.top_p, p.min_p, p.top_k, p.seed, d.position, d.ignore_eos, d.grammar)
+        draws[i] = (p.temperature, p.top_p, p.min_p, p.top_k, p.seed, d.position, d.ignore_eos, d.grammar, d.shaping)
     return b"".join(
         (
             _HEAD.pack(len(step.tokens), len(step.draws)),
@@ -100,10 +114,68 @@ def decode_step(payload: memoryview) -> Step:
             int(r["position"]),
             bool(r["ignore_eos"]),
             int(r["grammar"]),
+            int(r["shaping"]),
         )
         for r in records
     ]
     return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws)
+
+
+def encode_drawn(tokens: list[int], logprobs: dict[int, LogprobRow]) -> bytes:
+    """A step's reply: the drawn token ids, then a record per draw that asked for log probabilities."""
+    if not logprobs:
+        return np.asarray(tokens, dtype="<i4").tobytes()
+    rows = np.zeros(len(logprobs), dtype=LOGPROBS)
+    for i, (draw, row) in enumerate(sorted(logprobs.items())):
+        rows[i]["draw"], rows[i]["logprob"], rows[i]["count"] = draw, row.logprob, len(row.top)
+        for j, (token, value) in enumerate(row.top):
+            rows[i]["ids"][j], rows[i]["values"][j] = token, value
+    return np.asarray(tokens, dtype="<i4").tobytes() + rows.tobytes()
+
+
+def decode_drawn(payload: memoryview, draws: int) -> tuple[list[int], dict[int, LogprobRow]]:
+    tokens = np.frombuffer(payload, dtype="<i4", count=draws)
+    if len(payload) == 4 * draws:
+        return tokens.tolist(), {}
+    records = np.frombuffer(payload, dtype=LOGPROBS, offset=4 * draws)
+    logprobs = {
+        int(r["draw"]): LogprobRow(
+            int(tokens[r["draw"]]),
+            float(r["logprob"]),
+            tuple((int(t), float(v)) for t, v in zip(r["ids"][: r["count"]], r["values"][: r["count"]], strict=True)),
+        )
+        for r in records
+    }
+    return tokens.tolist(), logprobs
+
+
+def encode_shaping(shaping: Shaping, recent: list[int]) -> bytes:
+    bias = shaping.logit_bias
+    return b"".join(
+        (
+            _SHAPING.pack(
+                shaping.presence_penalty,
+                shaping.frequency_penalty,
+                shaping.repeat_penalty,
+                shaping.logprobs,
+                len(bias),
+                len(recent),
+            ),
+            np.asarray([t for t, _ in bias], dtype="<i4").tobytes(),
+            np.asarray([b for _, b in bias], dtype="<f4").tobytes(),
+            np.asarray(recent, dtype="<i4").tobytes(),
+        )
+    )
+
+
+def decode_shaping(payload: memoryview) -> tuple[Shaping, list[int]]:
+    presence, frequency, repeat, logprobs, biased, recent = _SHAPING.unpack_from(payload)
+    at = _SHAPING.size
+    ids = np.frombuffer(payload, dtype="<i4", count=biased, offset=at)
+    values = np.frombuffer(payload, dtype="<f4", count=biased, offset=at + 4 * biased)
+    tail = np.frombuffer(payload, dtype="<i4", count=recent, offset=at + 8 * biased)
+    bias = tuple((int(t), float(v)) for t, v in zip(ids, values, strict=True))
+    return Shaping(bias, presence, frequency, repeat, logprobs), tail.tolist()
 
 
 def ints(*values: int) -> bytes:

@@ -30,7 +30,8 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     """One call; its reply payload."""
     if kind == wire.STEP:
         started = time.perf_counter()
-        drawn = np.asarray(engine.step(wire.decode_step(payload)), dtype="<i4").tobytes()
+        step = wire.decode_step(payload)
+        drawn = wire.encode_drawn(engine.step(step), step.logprobs)
         return drawn + struct.pack("<d", time.perf_counter() - started)  # what the step cost here
     if kind == wire.COPY:
         engine.copy(*wire.read_ints(payload, 3))
@@ -52,6 +53,11 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     if kind == wire.EMBED:
         tokens = np.frombuffer(payload, dtype="<i4").tolist()
         return np.asarray(engine.embed(tokens), dtype="<f4").tobytes()
+    if kind == wire.OPEN_SHAPING:
+        return wire.ints(engine.open_shaping(*wire.decode_shaping(payload)))
+    if kind == wire.CLOSE_SHAPING:
+        engine.close_shaping(*wire.read_ints(payload, 1))
+        return b""
     raise EngineError(f"unknown call {kind}")
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..protocol.schema import CHANNEL_TOOL_CALL, ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
@@ -32,6 +32,11 @@ Tokenize = Callable[[str, bool], list[int]]  # (text, parse_special) -> token id
 
 _SENTINEL = "\u2063SFCONTENT{}\u2063"
 _SENTINEL_RE = re.compile("\u2063SFCONTENT(\\d+)\u2063")
+
+# What the renderer itself passes: a request's template variables may not set these.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+# reasoning efforts that mean "do not think", for a template that only knows enable_thinking
+NO_THINKING = frozenset({"none", "minimal"})
 
 # ChatML, for a GGUF that carries no template of its own.
 CHATML = (
@@ -99,6 +104,8 @@ class ChatTemplate:
         self.source = source
         try:
             self._template = env.from_string(source)
+            # the variables the template reads (enable_thinking, reasoning_effort, ...)
+            self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except TemplateError as e:
             raise TemplateProblem(f"the chat template does not compile: {e}") from None
         self._tokenize = tokenize
@@ -206,17 +213,37 @@ class ChatTemplate:
         """The frame of a first system turn that declares `tools` through the template."""
         return self._frame([], "system", tools=tools)
 
+    def request_variables(self, given: dict[str, Any]) -> dict[str, Any]:
+        """A request's template variables (`chat_template_kwargs`, `enable_thinking`, `reasoning_effort`)
+        as this template takes them; TemplateProblem for one the renderer sets itself.
+
+        A `reasoning_effort` of none or minimal turns thinking off in a template that knows
+        `enable_thinking` but no effort; any other effort it does not know is left to be ignored.
+        """
+        reserved = sorted(RESERVED_VARIABLES & given.keys())
+        if reserved:
+            raise TemplateProblem(f"chat_template_kwargs may not set {', '.join(reserved)}: the request does")
+        out = dict(given)
+        effort = out.get("reasoning_effort")
+        if "reasoning_effort" not in self.variables and effort in NO_THINKING and "enable_thinking" in self.variables:
+            out.setdefault("enable_thinking", False)
+        return out
+
     def conversation(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """A whole chat rendered at once, as the HTTP APIs send it: (its tokens, the assistant opener).
 
         Message contents are tokenized as plain text and the template's own text with special
         tokens. A template that knows no tools gets them in the system turn and sees earlier
-        calls written in the `<tool_call>` wire.
+        calls written in the `<tool_call>` wire. `variables` (see `request_variables`) go to
+        the template as they are.
         """
         messages = [dict(m) for m in messages]
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = self.request_variables(variables or {})
         if tools and self.supports_tools:
             extra["tools"] = tools
         elif tools:

@@ -43,6 +43,7 @@ import numpy as np
 from ..engine.grammar import GrammarError
 from ..engine.llama import EngineError, KVFull
 from ..engine.local import Draw, Engine, Step, WorkerGone
+from ..engine.shaping import REPEAT_WINDOW, LogprobRow, Shaping
 from ..protocol.schema import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -108,6 +109,9 @@ class Job:
     ignore_eos: bool = False  # end-of-generation tokens are never drawn: the job runs to max_tokens
     grammar: str | None = None  # GBNF every token must follow; the engine holds its state
     grammar_handle: int = 0
+    shaping: Shaping | None = None  # bias, penalties, log probabilities; the engine holds its state
+    shaping_handle: int = 0
+    logprobs: list[LogprobRow] = field(default_factory=list)  # of tokens drawn, until the sink takes them
     cancelled: bool = False
     warm_prefix: int = 0
     generated: int = 0
@@ -301,7 +305,7 @@ class Scheduler:
         self.lanes.clear()
         self.stats.lanes_active = 0
         for job in cut:
-            job.grammar_handle = 0  # the grammar went with the worker
+            job.grammar_handle = job.shaping_handle = 0  # their state went with the worker
             self._finish(job, FINISH_ERROR, f"generation failed: {why}")
         self.cache.entries.clear()
         self._free_seqs = list(range(self.engine.shape.sequences - 1, -1, -1))
@@ -477,13 +481,14 @@ class Scheduler:
                     self.cache.touch(seed.seq)
             length = seed.length if seed is not None else 0
             source = "cold" if seed is None else f"{length} warm from slot {seed.seq}"
-        if job.grammar is not None and not job.grammar_handle:
-            try:
-                job.grammar_handle = self.engine.open_grammar(job.grammar)
-            except GrammarError as e:
-                self._free_seqs.append(seq)
-                self.engine.truncate(seq, 0)
-                raise EngineError(str(e)) from None
+        try:
+            self._open_sampling(job)
+        except WorkerGone:
+            raise
+        except EngineError:
+            self._free_seqs.append(seq)
+            self.engine.truncate(seq, 0)
+            raise
         log.debug("admit %d tokens (class %d) on slot %d: %s", len(tokens), job.qos, seq, source)
         if not job.admitted:
             job.warm_prefix = length
@@ -494,6 +499,16 @@ class Scheduler:
         if job.prefill_only:
             feed = feed[:-1]
         return Lane(seq, job, list(job.tokens[:length]), feed, next(self._admissions))
+
+    def _open_sampling(self, job: Job) -> None:
+        """The engine's state of a job's grammar and shaping: opened once, kept while the job is preempted."""
+        if job.grammar is not None and not job.grammar_handle:
+            try:
+                job.grammar_handle = self.engine.open_grammar(job.grammar)
+            except GrammarError as e:
+                raise EngineError(str(e)) from None
+        if job.shaping is not None and not job.shaping_handle:
+            job.shaping_handle = self.engine.open_shaping(job.shaping, job.tokens[-REPEAT_WINDOW:])
 
     def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, float]:
         """Lower is better: keeps lanes consecutive, then spares idle entries (pinned and recent ones most)."""
@@ -569,11 +584,14 @@ class Scheduler:
                 want[end - 1] = 1
                 owners.append(lane)
                 job = lane.job
-                draws.append(Draw(job.params, start + len(chunk), job.ignore_eos, job.grammar_handle))
+                draws.append(
+                    Draw(job.params, start + len(chunk), job.ignore_eos, job.grammar_handle, job.shaping_handle)
+                )
+        step = Step(tokens, positions, seqs, want, draws)
         while True:
             try:
                 started = time.perf_counter()
-                drawn = self.engine.step(Step(tokens, positions, seqs, want, draws))
+                drawn = self.engine.step(step)
                 took = time.perf_counter() - started
                 if len(tokens) >= MIN_PREFILL + len(owners):
                     # attention makes a token dearer as its lane grows: follow the cost closely
@@ -600,8 +618,8 @@ class Scheduler:
                 self.stats.decode_tokens += len(chunk)
             else:
                 self.stats.prefill_tokens += len(chunk)
-        for lane, token in zip(owners, drawn, strict=True):
-            finished |= self._advance(lane, token)
+        for index, (lane, token) in enumerate(zip(owners, drawn, strict=True)):
+            finished |= self._advance(lane, token, step.logprobs.get(index))
         return finished | self._retire_prefilled()
 
     def _measure(self, plan: list[tuple[Lane, list[int], int]], took: float) -> None:
@@ -649,7 +667,7 @@ class Scheduler:
             budget -= take
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
-    def _advance(self, lane: Lane, token: int) -> bool:
+    def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
         job = lane.job
         position = len(lane.held)
@@ -659,6 +677,8 @@ class Scheduler:
         job.generated += 1
         if job.generated == 1:
             self.stats.last_ttft_seconds = time.monotonic() - job.submitted
+        if logprobs is not None:
+            job.logprobs.append(logprobs)
         job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
             lane.feed = [token]  # sampled, not yet decoded: the slot holds everything before it
@@ -691,14 +711,17 @@ class Scheduler:
 
     def _finish(self, job: Job, finish: int, error: str | None = None) -> None:
         job.done = True
-        if job.grammar_handle:
-            handle, job.grammar_handle = job.grammar_handle, 0
-            try:
-                self.engine.close_grammar(handle)
-            except WorkerGone:
-                self._worker_gone = True  # noticed here; recovered after this tick
-            except EngineError:
-                log.exception("closing a grammar failed")
+        grammar, shaping = job.grammar_handle, job.shaping_handle
+        job.grammar_handle = job.shaping_handle = 0
+        try:
+            if grammar:
+                self.engine.close_grammar(grammar)
+            if shaping:
+                self.engine.close_shaping(shaping)
+        except WorkerGone:
+            self._worker_gone = True  # noticed here; recovered after this tick
+        except EngineError:
+            log.exception("closing a job's grammar or shaping failed")
         job.sink.finished(job, finish, error)
 
     def _fail_all(self, why: str) -> None:

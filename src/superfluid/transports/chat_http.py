@@ -12,8 +12,9 @@ cancelled at the next tick, as a streaming client does when its stream is closed
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -26,6 +27,8 @@ from .access import Key
 
 QOS_HEADER = "x-superfluid-qos"
 INVARIANT_HEADER = "x-superfluid-batch-invariant"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -88,20 +91,32 @@ async def _hang_up(request: Request) -> None:
 
 async def collect(run: ChatRun, request: Request) -> Collected | None:
     """The whole reply of `run`, or None (and the generation cancelled) when the client went away first."""
-    reply = asyncio.ensure_future(run.collect())
+    return await while_connected(run.collect(), [run], request)
+
+
+async def collect_all(runs: Sequence[ChatRun], request: Request) -> list[Collected] | None:
+    """The whole replies of runs generated side by side (one request's choices), or None as `collect`."""
+    return await while_connected(asyncio.gather(*(run.collect() for run in runs)), runs, request)
+
+
+async def while_connected(work: Awaitable[T], runs: Sequence[ChatRun], request: Request) -> T | None:
+    """`work`'s result, or None (and `runs` cancelled) when the client hangs up first."""
+    reply = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_hang_up(request))
     try:
         await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the response itself was abandoned (a keep-alive body's client left)
         reply.cancel()
-        run.cancel()
+        for run in runs:
+            run.cancel()
         raise
     finally:
         gone.cancel()
     if reply.done():
         return reply.result()
-    reply.cancel()  # leaving the run's pieces cancels its generation
-    run.cancel()
+    reply.cancel()  # leaving the runs' pieces cancels their generations
+    for run in runs:
+        run.cancel()
     return None
 
 

@@ -4,7 +4,10 @@ Each request runs as a fresh session (see `chat.py`), so a conversation that is 
 again with one more turn starts from its cached prefix. Streaming answers are
 server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`; the
 last chunk carries `usage`, with the prompt tokens served from the cache as
-`prompt_tokens_details.cached_tokens`.
+`prompt_tokens_details.cached_tokens` and `superfluid.warm` (and, on every reply, the
+`x-superfluid-warm` header). A failure mid-stream is an `{"error": ...}` chunk, then
+`data: [DONE]`. The chat extras (n, logprobs, logit bias, penalties, template variables)
+are read by `extras.py`.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome, seed_for
+from ..chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece, seed_for
 from ..config import SamplingDefaults
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
-from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, collect_all, runtime_for, scheduling, while_connected
+from .extras import ChatExtras, ShapedBody, choice_requests, logprobs_json
 
 _ids = itertools.count(1)
 
@@ -36,8 +40,8 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class SampledBody(Body):
-    """The fields both OpenAI endpoints share: the model, its sampling, stops and streaming."""
+class SampledBody(ShapedBody):
+    """The fields both OpenAI endpoints share: the model, its sampling, bias and penalties, stops and streaming."""
 
     model: str | None = None
     temperature: float | None = None
@@ -53,7 +57,7 @@ class SampledBody(Body):
         return sampling(defaults, self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
 
 
-class ChatCompletionRequest(SampledBody):
+class ChatCompletionRequest(SampledBody, ChatExtras):
     """The body of POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]]
@@ -62,7 +66,6 @@ class ChatCompletionRequest(SampledBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    n: int = 1
 
 
 class CompletionRequest(SampledBody):
@@ -74,7 +77,12 @@ class CompletionRequest(SampledBody):
 
 
 def error(message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None) -> Response:
-    return JSONResponse({"error": {"message": message, "type": code, "param": param, "code": code}}, status_code=status)
+    return JSONResponse(envelope(message, code, param), status_code=status)
+
+
+def envelope(message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object, as a reply body or a stream's error chunk."""
+    return {"error": {"message": message, "type": code, "param": param, "code": code}}
 
 
 GONE = 499  # the client closed its connection before the reply: nobody reads this status
@@ -136,11 +144,13 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def usage(outcome: Outcome) -> dict[str, Any]:
+def usage(outcome: Outcome, *more: Outcome) -> dict[str, Any]:
+    """The usage of a reply: its prompt once (as the first choice saw it), the completions of every choice."""
+    completion = outcome.completion_tokens + sum(o.completion_tokens for o in more)
     return {
         "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": outcome.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
     }
 
@@ -150,9 +160,9 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        if body.n != 1:
-            return error("n must be 1: superfluid answers with one choice", param="n")
         try:
+            n = body.choices(body.stream)
+            logprobs = body.logprob_count()
             tools = normalize_tools(body.tools or [])
             choice = body.tool_choice or "auto"
             schema = None
@@ -175,17 +185,19 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 ignore_eos=body.ignore_eos,
                 qos=qos,
                 batch_invariant=invariant,
+                shaping=body.shaping(runtime.sampling, logprobs),
+                template_vars=body.template_vars(),
             )
-            run = ChatRun(daemon, request, runtime)
+            runs = [ChatRun(daemon, choice, runtime) for choice in choice_requests(request, n)]
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
-            return error(str(e), e.status, e.code)
+            return error(str(e), e.status, e.code, e.param)
         reply_id = f"chatcmpl-superfluid-{next(_ids)}"
-        name = body.model or run.runtime.id
+        name = body.model or runtime.id
         if body.stream:
-            return StreamingResponse(_chat_stream(run, reply_id, name), media_type="text/event-stream")
-        return await answer(policy, lambda: _chat_reply(run, http, reply_id, name))
+            return await _chat_stream_reply(runs[0], http, reply_id, name, logprobs >= 0)
+        return await answer(policy, lambda: _chat_reply(runs, http, reply_id, name, logprobs >= 0))
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -203,10 +215,11 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 ignore_eos=body.ignore_eos,
                 qos=qos,
                 batch_invariant=invariant,
+                shaping=body.shaping(runtime.sampling),
             )
             run = ChatRun(daemon, request, runtime)
         except ChatError as e:
-            return error(str(e), e.status, e.code)
+            return error(str(e), e.status, e.code, e.param)
         reply_id = f"cmpl-superfluid-{next(_ids)}"
         name = body.model or run.runtime.id
         if body.stream:
@@ -224,16 +237,30 @@ async def _completion_reply(run: ChatRun, http: Request, reply_id: str, name: st
     if isinstance(outcome, str):
         return error(outcome, 500, "server_error")
     choice = {"index": 0, "text": reply.text, "finish_reason": outcome.finish, "logprobs": None}
-    return JSONResponse(_reply(reply_id, "text_completion", name, choice, outcome))
+    return JSONResponse(_reply(reply_id, "text_completion", name, [choice], [outcome]))
 
 
-async def _chat_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:
-    reply = await collect(run, http)
-    if reply is None:
+async def _chat_reply(runs: list[ChatRun], http: Request, reply_id: str, name: str, logprobs: bool) -> Response:
+    replies = await collect_all(runs, http)
+    if replies is None:
         return error("the client closed the connection", GONE, "client_closed")
-    outcome = run.result()
-    if isinstance(outcome, str):
-        return error(outcome, 500, "server_error")
+    outcomes = []
+    for run in runs:
+        outcome = run.result()
+        if isinstance(outcome, str):
+            return error(outcome, 500, "server_error")
+        outcomes.append(outcome)
+    choices = [
+        _chat_choice(index, reply, outcome, logprobs)
+        for index, (reply, outcome) in enumerate(zip(replies, outcomes, strict=True))
+    ]
+    return JSONResponse(
+        _reply(reply_id, "chat.completion", name, choices, outcomes),
+        headers={"x-superfluid-warm": str(outcomes[0].cached_tokens)},
+    )
+
+
+def _chat_choice(index: int, reply: Collected, outcome: Outcome, logprobs: bool) -> dict[str, Any]:
     calls = [
         {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in reply.calls
@@ -243,22 +270,26 @@ async def _chat_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> 
         message["reasoning_content"] = reply.reasoning
     if calls:
         message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "finish_reason": outcome.finish, "logprobs": None}
-    return JSONResponse(
-        _reply(reply_id, "chat.completion", name, choice, outcome),
-        headers={"x-superfluid-warm": str(outcome.cached_tokens)},
-    )
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": outcome.finish,
+        "logprobs": logprobs_json(reply.logprobs) if logprobs else None,
+    }
 
 
-def _reply(reply_id: str, kind: str, name: str, choice: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
+def _reply(
+    reply_id: str, kind: str, name: str, choices: list[dict[str, Any]], outcomes: list[Outcome]
+) -> dict[str, Any]:
     """The body of a whole (non-streamed) reply of either endpoint."""
     return {
         "id": reply_id,
         "object": kind,
         "created": int(time.time()),
         "model": name,
-        "choices": [choice],
-        "usage": usage(outcome),
+        "choices": choices,
+        "usage": usage(*outcomes),
+        "superfluid": {"warm": outcomes[0].cached_tokens},
     }
 
 
@@ -266,11 +297,36 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _chat_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
+async def _first_pieces(pieces: AsyncIterator[Piece]) -> list[Piece]:
+    """The first piece of a reply, or none when it ended without one (so that None can mean the client left)."""
+    piece = await anext(pieces, None)
+    return [] if piece is None else [piece]
+
+
+async def _chat_stream_reply(run: ChatRun, http: Request, reply_id: str, name: str, logprobs: bool) -> Response:
+    """A streamed reply, answered once the run has its first piece: by then its warm prefix is known."""
+    pieces = run.pieces()
+    first = await while_connected(_first_pieces(pieces), [run], http)
+    if first is None:
+        return error("the client closed the connection", GONE, "client_closed")
+    outcome = run.result()
+    if not first and isinstance(outcome, str):
+        return error(outcome, 500, "server_error")  # nothing was sent yet: a plain error reply
+    return StreamingResponse(
+        _chat_stream(run, first, pieces, reply_id, name, logprobs),
+        media_type="text/event-stream",
+        headers={"x-superfluid-warm": str(run.warm)},
+    )
+
+
+async def _chat_stream(
+    run: ChatRun, first: list[Piece], rest: AsyncIterator[Piece], reply_id: str, name: str, logprobs: bool
+) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def chunk(delta: dict[str, Any], finish: str | None = None, piece: Piece | None = None, **extra: Any) -> str:
+        shown = logprobs_json(piece.logprobs) if logprobs and piece is not None else None
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
         return _sse(
             {
                 "id": reply_id,
@@ -282,12 +338,18 @@ async def _chat_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[
             }
         )
 
+    async def pieces() -> AsyncIterator[Piece]:
+        for piece in first:
+            yield piece
+        async for piece in rest:
+            yield piece
+
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     try:
-        async for piece in run.pieces():
+        async for piece in pieces():
             if piece.kind == "text":
-                yield chunk({"content": piece.text})
+                yield chunk({"content": piece.text}, piece=piece)
             elif piece.kind == "reasoning":
                 yield chunk({"reasoning_content": piece.text})
             else:
@@ -299,9 +361,9 @@ async def _chat_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[
         run.cancel()  # the client hung up mid-stream, or the generation is over
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _sse({"error": {"message": outcome, "type": "server_error"}})
+        yield _sse(envelope(outcome, "server_error"))
     else:
-        yield chunk({}, outcome.finish, usage=usage(outcome))
+        yield chunk({}, outcome.finish, usage=usage(outcome), superfluid={"warm": outcome.cached_tokens})
     yield "data: [DONE]\n\n"
 
 
@@ -318,7 +380,7 @@ async def _completion_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIte
         run.cancel()
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _sse({"error": {"message": outcome, "type": "server_error"}})
+        yield _sse(envelope(outcome, "server_error"))
     else:
         choice = {"index": 0, "text": "", "finish_reason": outcome.finish, "logprobs": None}
         yield _sse({**base, "choices": [choice], "usage": usage(outcome)})
