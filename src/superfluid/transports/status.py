@@ -52,7 +52,7 @@ def capabilities(runtime: Runtime) -> list[str]:
 
 def props(runtime: Runtime) -> dict[str, Any]:
     """GET /props for one loaded model."""
-    defaults = sampling(None, None, None, None, None)
+    defaults = sampling(runtime.sampling, None, None, None, None, None)
     scheduler = runtime.scheduler
     shape, cache = scheduler.engine.shape, scheduler.cache
     return {
@@ -60,11 +60,12 @@ def props(runtime: Runtime) -> dict[str, Any]:
         "model_path": str(runtime.model.path),
         "default_generation_settings": {
             "n_ctx": runtime.window,
-            "n_predict": -1,  # a reply may fill the window unless the request sets max_tokens
+            "n_predict": runtime.max_tokens or -1,  # -1: a reply may fill the window
             "temperature": defaults.temperature,
             "top_k": defaults.top_k,
             "top_p": defaults.top_p,
             "min_p": defaults.min_p,
+            "repeat_penalty": runtime.sampling.repeat_penalty or 1.0,
             "seed": None,  # unseeded requests draw a fresh seed each
         },
         "max_context": runtime.window,
