@@ -179,14 +179,14 @@ def test_embeddings_beside_a_streaming_chat_change_nothing_in_it(api: HttpDaemon
     assert text == [reference_text], "the chat's greedy text is the same with embeddings beside it"
 
 
+@pytest.mark.parametrize("api", ["worker"], indirect=True)  # in the daemon, there is no worker to kill
 def test_embeddings_come_back_after_the_worker_dies(api: HttpDaemon) -> None:
     def worker_pid() -> int | None:
         models = httpx.get(f"{api.url}/v1/models").json()["data"]
         return next(m["runtime"]["worker_pid"] for m in models if m["default"])
 
     killed = worker_pid()
-    if killed is None:
-        pytest.skip("the engine runs in the daemon: there is no worker to kill")
+    assert killed is not None
     before = vectors(api, TEXTS)
     os.kill(killed, signal.SIGKILL)
     deadline = time.monotonic() + 120
