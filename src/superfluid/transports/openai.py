@@ -180,7 +180,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 template_vars=body.template_vars(),
             )
             runtime = await runtime_for(daemon, body.model)
-            runs = [ChatRun(daemon, choice, runtime) for choice in choice_requests(request, n)]
+            runs = [ChatRun(daemon, one, runtime) for one in choice_requests(request, n)]
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
