@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from superfluid.engine import wire
+from superfluid.engine.local import Draw, Step
 from superfluid.engine.shaping import LogprobRow, Shaper, Shaping, log_softmax_row
 from superfluid.logprobs import LogprobText
+from superfluid.protocol.schema import GenParams
 
 NO_EOG = np.zeros(8, dtype=bool)
 
@@ -64,6 +66,14 @@ def test_shaping_and_drawn_logprobs_cross_the_channel_whole() -> None:
     tokens, back = wire.decode_drawn(memoryview(wire.encode_drawn([3, 5, 6], rows)), 3)
     assert tokens == [3, 5, 6] and back == rows
     assert wire.decode_drawn(memoryview(wire.encode_drawn([3], {})), 1) == ([3], {})
+    step = Step(
+        np.arange(2, dtype=np.int32),
+        np.arange(2, dtype=np.int32),
+        np.zeros(2, dtype=np.int32),
+        np.array([0, 1], dtype=np.int8),
+        [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5)],
+    )
+    assert wire.decode_step(memoryview(wire.encode_step(step))).draws == step.draws, "a draw names its shaping"
 
 
 def test_logprob_text_joins_to_the_text_and_stops_where_it_was_cut() -> None:

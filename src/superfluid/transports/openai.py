@@ -188,7 +188,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 shaping=body.shaping(runtime.sampling, logprobs),
                 template_vars=body.template_vars(),
             )
-            runs = [ChatRun(daemon, choice, runtime) for choice in choice_requests(request, n)]
+            runs = [ChatRun(daemon, one, runtime) for one in choice_requests(request, n)]
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
