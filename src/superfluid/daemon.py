@@ -352,14 +352,11 @@ class Daemon:
             inherited = [e.body for e in state.events[:at_event] if isinstance(e.body, TOKEN_BEARING)]
             length = sum(len(body.span) for body in inherited)
             last_input = inherited[-1] if inherited else None
-            child = self.store.reserve_id()
-            writes: list[tuple[int, EventBody]] = [(child, B.Forked(parent, at_event, params))]
-            if (qos, batch_invariant) != (state.qos_class, state.batch_invariant):
-                writes.append((child, B.QosSet(qos, batch_invariant)))
+            turns: list[EventBody] = []
             for role, text in messages:
                 span = self._message_span(length > 0, last_input, role, text, template)
                 last_input = B.Message(role, text, span)
-                writes.append((child, last_input))
+                turns.append(last_input)
                 length += len(span)
             length += len(template.opener())
             if length >= runtime.window:
@@ -367,7 +364,11 @@ class Daemon:
                     f"this model's maximum context length is {runtime.window} tokens, but your request has "
                     f"{length} tokens; shorten the prompt or drop earlier turns"
                 )
-            self.store.commit(writes)
+            child = self.store.reserve_id()
+            writes: list[tuple[int, EventBody]] = [(child, B.Forked(parent, at_event, params))]
+            if (qos, batch_invariant) != (state.qos_class, state.batch_invariant):
+                writes.append((child, B.QosSet(qos, batch_invariant)))
+            self.store.commit(writes + [(child, turn) for turn in turns])
         return child, length
 
     def _append(self, req: R.Append) -> Response:

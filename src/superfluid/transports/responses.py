@@ -320,20 +320,21 @@ class Responses:
         finally:
             turn.run.cancel()  # the client hung up mid-stream, or the generation is over
         outcome = turn.run.result()
-        failure = outcome if isinstance(outcome, str) else None
-        if not isinstance(outcome, str):
+        if isinstance(outcome, str):
+            failure = outcome
+        else:
             for event in output.close(_status(outcome)):
                 yield _event(event, next(numbers))
             try:
                 response = await self.finish(turn, outcome, output.items)
             except OSError as e:
                 failure = f"the response could not be stored: {e}"
-        if failure is not None:
-            yield _event({"type": "error", "code": "server_error", "message": failure, "param": None}, next(numbers))
-            failed = self.response(turn, "failed", output.items, error={"code": "server_error", "message": failure})
-            yield _event({"type": "response.failed", "response": failed}, next(numbers))
-            return
-        yield _event({"type": f"response.{response['status']}", "response": response}, next(numbers))
+            else:
+                yield _event({"type": f"response.{response['status']}", "response": response}, next(numbers))
+                return
+        yield _event({"type": "error", "code": "server_error", "message": failure, "param": None}, next(numbers))
+        failed = self.response(turn, "failed", output.items, error={"code": "server_error", "message": failure})
+        yield _event({"type": "response.failed", "response": failed}, next(numbers))
 
 
 def _not_found(response_id: str) -> Response:
