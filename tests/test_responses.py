@@ -15,6 +15,8 @@ import openai
 import pytest
 from conftest import HttpDaemon
 
+from superfluid.protocol.schema import Request
+
 # end-of-generation banned: a reply of exactly max_output_tokens on every machine
 FORCED = {"ignore_eos": True}
 # a tool whose argument is one of a few words, so a forced call completes on any machine
@@ -26,6 +28,19 @@ WEATHER = {
         "type": "object",
         "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
         "required": ["city"],
+    },
+}
+
+
+# a reply constrained to one of two words: the turn ends normally on any machine
+CITY = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
     },
 }
 
@@ -49,6 +64,23 @@ def oa(api: HttpDaemon) -> openai.OpenAI:
 def forced(oa: openai.OpenAI, tokens: int, **fields: object) -> openai.types.responses.Response:
     """A response of exactly `tokens` tokens, greedy."""
     return oa.responses.create(model="smollm2", max_output_tokens=tokens, temperature=0, extra_body=FORCED, **fields)
+
+
+def ended(oa: openai.OpenAI, **fields: object) -> openai.types.responses.Response:
+    """A greedy response whose turn ends normally on every machine: a city in JSON."""
+    reply = oa.responses.create(model="smollm2", text={"format": CITY}, temperature=0, max_output_tokens=64, **fields)
+    assert reply.status == "completed" and json.loads(reply.output_text)["city"] in ("Paris", "Oslo")
+    return reply
+
+
+def parent_of(daemon: HttpDaemon, child: str, parent: str) -> bool:
+    """Whether the session of response `child` was forked from the session of response `parent`."""
+    sessions = [
+        json.loads((daemon.sessions / "responses" / f"{i}.json").read_text())["session"] for i in (child, parent)
+    ]
+    with daemon.client() as sf:
+        tree = {node: (up, at) for node, up, at in sf.call(Request.Tree()).nodes}
+    return tree[sessions[0]][0] == sessions[1]
 
 
 def test_create_and_a_forced_length(oa: openai.OpenAI) -> None:
@@ -96,24 +128,29 @@ def test_streaming_events_in_order(oa: openai.OpenAI, api: HttpDaemon) -> None:
     assert raw.startswith("event: response.created\ndata: {") and "[DONE]" not in raw
 
 
-def test_a_chain_continues_warm(oa: openai.OpenAI) -> None:
-    first = forced(oa, 16, input="Name three rivers.", instructions="Be brief.")
+def test_a_chain_continues_warm(oa: openai.OpenAI, api: HttpDaemon) -> None:
+    question = "Which city is the capital of France? Answer in JSON."
+    first = ended(oa, input=question, instructions="Be brief.")
     second = forced(oa, 8, input="And one more?", instructions="Be brief.", previous_response_id=first.id)
     assert second.previous_response_id == first.id and second.usage.output_tokens == 8
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached > 0
-    # the forked session holds the whole first turn, its reply included
+    # the session is forked after the first turn: all of it, the reply included, is cached
+    assert parent_of(api, second.id, first.id)
     assert cached >= first.usage.total_tokens - 1
     assert second.usage.input_tokens > first.usage.total_tokens
     # other instructions: the conversation is rendered anew from the stored items, without the old ones
     rebuilt = forced(oa, 8, input="And one more?", instructions="Answer in French.", previous_response_id=first.id)
-    assert rebuilt.instructions == "Answer in French."
+    assert rebuilt.instructions == "Answer in French." and not parent_of(api, rebuilt.id, first.id)
     assert rebuilt.usage.input_tokens > first.usage.input_tokens, "the earlier turn is in the prompt"
     again = forced(oa, 8, input="And one more?", instructions="Answer in French.", previous_response_id=first.id)
     assert again.output_text == rebuilt.output_text
+    # a turn cut by max_output_tokens is not continued in place either
+    cut = forced(oa, 8, input="And another?", previous_response_id=second.id, instructions="Be brief.")
+    assert cut.status == "incomplete" and not parent_of(api, cut.id, second.id)
 
 
-def test_a_function_tool_round_trip(oa: openai.OpenAI) -> None:
+def test_a_function_tool_round_trip(oa: openai.OpenAI, api: HttpDaemon) -> None:
     asked = oa.responses.create(
         model="smollm2",
         input="What is the weather in Paris?",
@@ -133,7 +170,8 @@ def test_a_function_tool_round_trip(oa: openai.OpenAI) -> None:
         previous_response_id=asked.id,
     )
     assert answered.status == "incomplete" and answered.usage.output_tokens == 8 and answered.output
-    assert answered.usage.input_tokens_details.cached_tokens >= asked.usage.total_tokens - 1, "forked warm"
+    assert parent_of(api, answered.id, asked.id), "the output is appended to the forked session"
+    assert answered.usage.input_tokens_details.cached_tokens >= asked.usage.total_tokens - 1
     (item,) = oa.responses.input_items.list(answered.id)
     assert item.type == "function_call_output" and item.call_id == call.call_id
 
@@ -160,19 +198,6 @@ def test_a_forced_call_streams(oa: openai.OpenAI) -> None:
         "response.completed",
     ]
     assert events[3].delta == events[4].arguments == events[-1].response.output[0].arguments
-
-
-def test_json_schema_format_parses(oa: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}}
-    schema["required"] = ["city"]
-    reply = oa.responses.create(
-        model="smollm2",
-        input="Which city is the capital of France? Answer in JSON.",
-        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
-        temperature=0,
-        max_output_tokens=64,
-    )
-    assert json.loads(reply.output_text)["city"] in ("Paris", "Oslo")
 
 
 def test_stored_records_input_items_and_delete(oa: openai.OpenAI) -> None:
@@ -222,12 +247,13 @@ def test_refusals(oa: openai.OpenAI) -> None:
 def test_a_record_survives_a_restart(tmp_path: Path) -> None:
     daemon = HttpDaemon(tmp_path, max_context=1024, max_batch=2).start()
     try:
-        first = forced(client(daemon), 6, input="Name a river.")
+        first = ended(client(daemon), input="Which city is the capital of France? Answer in JSON.")
         daemon.stop()
         daemon.start()
         oa = client(daemon)
         assert oa.responses.retrieve(first.id).output_text == first.output_text
         second = forced(oa, 4, input="Another?", previous_response_id=first.id)
         assert second.status == "incomplete" and second.usage.input_tokens > first.usage.total_tokens
+        assert parent_of(daemon, second.id, first.id), "the stored session is forked after a restart too"
     finally:
         daemon.stop()
