@@ -4,7 +4,7 @@ A response runs on the chat path (`ChatRun`), so it is a session like any chat r
 A stored response (`store`, the default) keeps a record under `<sessions>/responses/`,
 written before the response is returned: its input and output items, the items of the
 turns before it, its usage, its session and the "head" its prompt starts with (model,
-instructions, tools). A request naming `previous_response_id` continues that record:
+instructions, tools, template variables). A request naming `previous_response_id` continues that record:
 when the model and head are the same and the previous turn ended normally, its session is
 forked after its last event and only the new input is appended, so the whole earlier
 prompt is served from the cache; otherwise the conversation is rendered anew from the
@@ -35,7 +35,8 @@ from ..daemon import TURN_ENDED, Daemon
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
-from .chat_http import HttpPolicy, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
+from .extras import EFFORTS
 from .openai import GONE, SampledBody, chat_messages, error
 from .response_items import Event, Output, appendable, chat_turns, input_items, new_id
 
@@ -68,6 +69,14 @@ class ResponsesRequest(SampledBody):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, as on /v1/chat/completions
+
+    def template_vars(self) -> dict[str, Any]:
+        """The chat template's variables: `reasoning.effort`, under chat_template_kwargs."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise ChatError(f"reasoning.effort must be one of {', '.join(EFFORTS)}, not {effort!r}", param="reasoning")
+        return {**({"reasoning_effort": effort} if effort else {}), **(self.chat_template_kwargs or {})}
 
 
 @dataclass
@@ -189,7 +198,13 @@ class Responses:
                 )
         qos, invariant = scheduling(http, self.policy)
         runtime = await runtime_for(self.daemon, body.model)
-        head = {"model": runtime.id, "system": body.instructions or "", "tools": tools if choice != "none" else []}
+        variables = body.template_vars()
+        head = {
+            "model": runtime.id,
+            "system": body.instructions or "",
+            "tools": tools if choice != "none" else [],
+            "template": variables,
+        }
         history = [*previous["history"], *previous["input"], *previous["response"]["output"]] if previous else []
         fork = self._fork_point(previous, head, items)
         if fork is not None:
@@ -200,7 +215,7 @@ class Responses:
         log.debug("%s: %s", "forked" if fork else "rendered", body.previous_response_id or "a new conversation")
         request = ChatRequest(
             messages=chat_messages(turns),
-            params=body.params(),
+            params=body.params(runtime.sampling),
             max_tokens=body.max_output_tokens,
             tools=tools,
             tool_choice=choice,
@@ -208,6 +223,8 @@ class Responses:
             ignore_eos=body.ignore_eos,
             qos=qos,
             batch_invariant=invariant,
+            shaping=body.shaping(runtime.sampling),
+            template_vars=variables,
             fork=fork,
         )
         run = ChatRun(self.daemon, request, runtime)
@@ -353,7 +370,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             return error(str(e), e.status, e.code, e.param)
         if body.stream:
             return StreamingResponse(responses.stream(turn), media_type="text/event-stream")
-        return await responses.reply(turn, http)
+        return await answer(policy, lambda: responses.reply(turn, http))
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Response:
