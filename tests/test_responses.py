@@ -244,15 +244,25 @@ def test_refusals(oa: openai.OpenAI) -> None:
         oa.responses.cancel(forced(oa, 2, input="Hi").id)
 
 
-def test_a_record_survives_a_restart(tmp_path: Path) -> None:
-    daemon = HttpDaemon(tmp_path, max_context=1024, max_batch=2).start()
+def test_a_record_survives_a_restart_and_belongs_to_its_key(tmp_path: Path) -> None:
+    policy = tmp_path / "keys.json"
+    policy.write_text(json.dumps({"keys": [{"name": "alice", "key": "alice-key"}, {"name": "bob", "key": "bob-key"}]}))
+    daemon = HttpDaemon(tmp_path, "--key-policy", str(policy), max_context=1024, max_batch=2).start()
+
+    def as_(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key)
+
     try:
-        first = ended(client(daemon), input="Which city is the capital of France? Answer in JSON.")
+        first = ended(as_("alice-key"), input="Which city is the capital of France? Answer in JSON.")
         daemon.stop()
         daemon.start()
-        oa = client(daemon)
-        assert oa.responses.retrieve(first.id).output_text == first.output_text
-        second = forced(oa, 4, input="Another?", previous_response_id=first.id)
+        alice, bob = as_("alice-key"), as_("bob-key")
+        assert alice.responses.retrieve(first.id).output_text == first.output_text
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            forced(bob, 4, input="Another?", previous_response_id=first.id)
+        second = forced(alice, 4, input="Another?", previous_response_id=first.id)
         assert second.status == "incomplete" and second.usage.input_tokens > first.usage.total_tokens
         assert parent_of(daemon, second.id, first.id), "the stored session is forked after a restart too"
     finally:

@@ -4,7 +4,8 @@ A response runs on the chat path (`ChatRun`), so it is a session like any chat r
 A stored response (`store`, the default) keeps a record under `<sessions>/responses/`,
 written before the response is returned: its input and output items, the items of the
 turns before it, its usage, its session and the "head" its prompt starts with (model,
-instructions, tools, template variables). A request naming `previous_response_id` continues that record:
+instructions, tools, template variables) and, under a key policy, the key that made it:
+each key sees only its own responses. A request naming `previous_response_id` continues that record:
 when the model and head are the same and the previous turn ended normally, its session is
 forked after its last event and only the new input is appended, so the whole earlier
 prompt is served from the cache; otherwise the conversation is rendered anew from the
@@ -35,6 +36,7 @@ from ..daemon import TURN_ENDED, Daemon
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
+from .access import Key
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .extras import EFFORTS
 from .openai import GONE, SampledBody, chat_messages, error
@@ -86,6 +88,7 @@ class Turn:
     id: str
     created: int
     model: str
+    owner: str | None  # the policy key that made it
     body: ResponsesRequest
     items: list[dict[str, Any]]  # this request's input
     history: list[dict[str, Any]]  # the items of the turns before it
@@ -173,8 +176,10 @@ class Responses:
         self.policy = policy
         self.records = ResponseRecords(daemon.store.directory / "responses")
 
-    async def record(self, response_id: str) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.records.get, response_id)
+    async def record(self, response_id: str, http: Request) -> dict[str, Any] | None:
+        """A stored response, if the request's key may see it: under a key policy each key sees its own."""
+        record = await asyncio.to_thread(self.records.get, response_id)
+        return record if record is not None and record.get("owner") == _owner(http) else None
 
     async def turn(self, body: ResponsesRequest, http: Request) -> Turn:
         """Check a request and start its run; ChatError for what cannot be served."""
@@ -191,7 +196,7 @@ class Responses:
         items = input_items(body.input)
         previous = None
         if body.previous_response_id:
-            previous = await self.record(body.previous_response_id)
+            previous = await self.record(body.previous_response_id, http)
             if previous is None:
                 raise ChatError(
                     f"no stored response {body.previous_response_id}", 404, "not_found", "previous_response_id"
@@ -228,7 +233,8 @@ class Responses:
             fork=fork,
         )
         run = ChatRun(self.daemon, request, runtime)
-        return Turn(new_id("resp"), int(time.time()), body.model or runtime.id, body, items, history, head, run)
+        name = body.model or runtime.id
+        return Turn(new_id("resp"), int(time.time()), name, _owner(http), body, items, history, head, run)
 
     def _fork_point(
         self, previous: dict[str, Any] | None, head: dict[str, Any], items: list[dict[str, Any]]
@@ -294,6 +300,7 @@ class Responses:
             "session": session,
             "events": events,
             "turn_ended": ended and status == "completed",
+            "owner": turn.owner,
         }
         await asyncio.to_thread(self.records.put, turn.id, record)
         return response
@@ -354,6 +361,11 @@ class Responses:
         yield _event({"type": "response.failed", "response": failed}, next(numbers))
 
 
+def _owner(http: Request) -> str | None:
+    key = http.scope.get("state", {}).get("superfluid_key")
+    return key.name if isinstance(key, Key) else None
+
+
 def _not_found(response_id: str) -> Response:
     return error(f"no stored response {response_id}", 404, "not_found", "response_id")
 
@@ -373,13 +385,13 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         return await answer(policy, lambda: responses.reply(turn, http))
 
     @api.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str) -> Response:
-        record = await responses.record(response_id)
+    async def retrieve(response_id: str, http: Request) -> Response:
+        record = await responses.record(response_id, http)
         return _not_found(response_id) if record is None else JSONResponse(record["response"])
 
     @api.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str) -> Response:
-        record = await responses.record(response_id)
+    async def delete(response_id: str, http: Request) -> Response:
+        record = await responses.record(response_id, http)
         if record is None:
             return _not_found(response_id)
         await asyncio.to_thread(responses.records.delete, response_id)
@@ -395,12 +407,14 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         )
 
     @api.get("/v1/responses/{response_id}/input_items")
-    async def items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
+    async def items(
+        response_id: str, http: Request, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> Response:
         if not 1 <= limit <= 100:
             return error("limit must be from 1 to 100", param="limit")
         if order not in ("asc", "desc"):
             return error('order must be "asc" or "desc"', param="order")
-        record = await responses.record(response_id)
+        record = await responses.record(response_id, http)
         if record is None:
             return _not_found(response_id)
         listed = record["input"] if order == "asc" else record["input"][::-1]
