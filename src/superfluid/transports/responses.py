@@ -3,13 +3,14 @@
 A response runs on the chat path (`ChatRun`), so it is a session like any chat request.
 A stored response (`store`, the default) keeps a record under `<sessions>/responses/`,
 written before the response is returned: its input and output items, the items of the
-turns before it, its usage, its session and the "head" its prompt starts with (model,
-instructions, tools, template variables) and, under a key policy, the key that made it:
-each key sees only its own responses. A request naming `previous_response_id` continues that record:
-when the model and head are the same and the previous turn ended normally, its session is
-forked after its last event and only the new input is appended, so the whole earlier
-prompt is served from the cache; otherwise the conversation is rendered anew from the
-stored items. Instructions and tools belong to one request: they are never carried over.
+turns before it, its usage, its session, the "head" its prompt starts with (model,
+instructions, tools, template variables) and, under a key policy, the key that made it
+(each key sees only its own). A request naming `previous_response_id` continues that
+record: when the model and head are the same and the previous turn ended normally, its
+session is forked after its last event and only the new input is appended, so the whole
+earlier prompt is served from the cache; otherwise the conversation is rendered anew
+from the stored items. Instructions and tools belong to one request: they are never
+carried over.
 
 Streams are server-sent events with an `event:` line and a `sequence_number` from 0,
 ending with `response.completed` or `response.incomplete` (`error` then
