@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .daemon import Daemon, DaemonError
+from .daemon import ContextTooLong, Daemon, DaemonError
 from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
 from .engine.shaping import Shaping
 from .generation import Committed, Done, Provisional
@@ -29,6 +29,7 @@ from .protocol.schema import (
     FINISH_LENGTH,
     FINISH_STOP,
     QOS_AGENT,
+    ROLE_NAMES,
     EventBody,
     GenParams,
     Request,
@@ -68,6 +69,9 @@ class ChatRequest:
     ignore_eos: bool = False  # decode to max_tokens: end-of-generation tokens are never drawn
     shaping: Shaping | None = None  # logit bias, penalties, log probabilities
     template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template (enable_thinking, ...)
+    # (session, event): continue that stored conversation after the event, warm; `messages` are then
+    # only the new turns, with text content
+    fork: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,15 +137,6 @@ class ChatRun:
         self.runtime = runtime
         self.request = request
         self.outcome: Outcome | None = None
-        template = runtime.template
-        try:
-            if request.prompt is not None:
-                prompt, opener = runtime.model.tokenize(request.prompt, False), []
-            else:
-                tools = request.tools if request.tool_choice != "none" else []
-                prompt, opener = template.conversation(request.messages, tools, request.template_vars)
-        except TemplateProblem as e:
-            raise ChatError(str(e)) from None
         n_vocab = runtime.model.n_vocab
         bad = [t for t, _ in request.shaping.logit_bias if not 0 <= t < n_vocab] if request.shaping else []
         if bad:
@@ -150,18 +145,49 @@ class ChatRun:
                 param="logit_bias",
             )
         self._generation: Any = None
-        self.prompt_tokens = len(prompt) + len(opener)
-        if self.prompt_tokens >= runtime.window:
-            raise ChatError(
-                f"this model's maximum context length is {runtime.window} tokens, but your request has "
-                f"{self.prompt_tokens} tokens; shorten the prompt or drop earlier turns",
-                code="context_length_exceeded",
-            )
+        self.grammar = self._grammar()
+        if request.fork is None:
+            self.session, self.prompt_tokens = self._open()
+        else:
+            self.session, self.prompt_tokens = self._fork(*request.fork)
         room = runtime.window - self.prompt_tokens
         limit = request.max_tokens or runtime.max_tokens
         self.max_tokens = min(limit, room) if limit else room
-        self.grammar = self._grammar()
-        self.session = daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
+
+    def _open(self) -> tuple[int, int]:
+        """A fresh session holding the whole conversation: its id and its prompt length."""
+        request, runtime = self.request, self.runtime
+        try:
+            if request.prompt is not None:
+                prompt, opener = runtime.model.tokenize(request.prompt, False), []
+            else:
+                tools = request.tools if request.tool_choice != "none" else []
+                prompt, opener = runtime.template.conversation(request.messages, tools, request.template_vars)
+        except TemplateProblem as e:
+            raise ChatError(str(e)) from None
+        length = len(prompt) + len(opener)
+        if length >= runtime.window:
+            raise ChatError(
+                f"this model's maximum context length is {runtime.window} tokens, but your request has "
+                f"{length} tokens; shorten the prompt or drop earlier turns",
+                code="context_length_exceeded",
+            )
+        session = self.daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
+        return session, length
+
+    def _fork(self, parent: int, at_event: int) -> tuple[int, int]:
+        """A fork of a stored conversation with the new turns appended: its id and its prompt length."""
+        request = self.request
+        roles = {name: role for role, name in ROLE_NAMES.items()}
+        turns = [(roles[m["role"]], m["content"]) for m in request.messages]
+        try:
+            return self.daemon.fork_chat(
+                self.runtime, parent, at_event, request.params, turns, request.qos, request.batch_invariant
+            )
+        except ContextTooLong as e:
+            raise ChatError(str(e), code="context_length_exceeded") from None
+        except DaemonError as e:
+            raise ChatError(str(e)) from None
 
     def _grammar(self) -> str | None:
         request, markers = self.request, self.runtime.template.call_markers

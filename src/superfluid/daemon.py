@@ -83,6 +83,10 @@ class DaemonError(Exception):
     """A refused request; the text is what the client reads in `Err`."""
 
 
+class ContextTooLong(DaemonError):
+    """A prompt longer than the model's window."""
+
+
 class QueueListener:
     """Delivers a run's outcomes into an asyncio queue from any thread."""
 
@@ -327,6 +331,46 @@ class Daemon:
             self.store.commit(writes)
         return session
 
+    def fork_chat(
+        self,
+        runtime: Runtime,
+        parent: int,
+        at_event: int,
+        params: GenParams,
+        messages: list[tuple[int, str]],
+        qos: int,
+        batch_invariant: bool = False,
+    ) -> tuple[int, int]:
+        """A child of `parent` after its event `at_event`, with `messages` (role, text) appended, ready for
+        `runtime` to generate (the HTTP APIs' stored conversations): its id, and its prompt length with
+        the assistant opener. Nothing is written for a prompt the model's window cannot hold."""
+        _check_params(params)
+        template = runtime.template
+        with self.store.lock:
+            state = self._session(parent)
+            self._check_point(state, at_event)
+            inherited = [e.body for e in state.events[:at_event] if isinstance(e.body, TOKEN_BEARING)]
+            length = sum(len(body.span) for body in inherited)
+            last_input = inherited[-1] if inherited else None
+            turns: list[EventBody] = []
+            for role, text in messages:
+                span = self._message_span(length > 0, last_input, role, text, template)
+                last_input = B.Message(role, text, span)
+                turns.append(last_input)
+                length += len(span)
+            length += len(template.opener())
+            if length >= runtime.window:
+                raise ContextTooLong(
+                    f"this model's maximum context length is {runtime.window} tokens, but your request has "
+                    f"{length} tokens; shorten the prompt or drop earlier turns"
+                )
+            child = self.store.reserve_id()
+            writes: list[tuple[int, EventBody]] = [(child, B.Forked(parent, at_event, params))]
+            if (qos, batch_invariant) != (state.qos_class, state.batch_invariant):
+                writes.append((child, B.QosSet(qos, batch_invariant)))
+            self.store.commit(writes + [(child, turn) for turn in turns])
+        return child, length
+
     def _append(self, req: R.Append) -> Response:
         with self.store.lock:
             state = self._session(req.session)
@@ -348,16 +392,18 @@ class Daemon:
             span = self._message_span(bool(state.tokens), state.last_input, req.role, req.text)
             return Response.Committed(self._commit_one(state.id, B.Message(req.role, req.text, span)))
 
-    def _message_span(self, has_input: bool, last_input: EventBody | None, role: int, text: str) -> list[int]:
-        """A message's tokens after the given history: closing a finished turn first."""
+    def _message_span(
+        self, has_input: bool, last_input: EventBody | None, role: int, text: str, template: ChatTemplate | None = None
+    ) -> list[int]:
+        """A message's tokens after the given history (in `template`, the default model's if none): closing a
+        finished turn first."""
+        template = template or self.template
         try:
-            return self._separator(last_input) + self.template.message(role, text, first=not has_input)
+            finished = isinstance(last_input, B.Generated) and last_input.finish in TURN_ENDED
+            separator = template.separator() if finished else []
+            return separator + template.message(role, text, first=not has_input)
         except TemplateProblem as e:
             raise DaemonError(str(e)) from None
-
-    def _separator(self, last_input: EventBody | None) -> list[int]:
-        finished = isinstance(last_input, B.Generated) and last_input.finish in TURN_ENDED
-        return self.template.separator() if finished else []
 
     def _append_system(self, req: R.AppendSystem) -> Response:
         if req.text is None and not req.tools:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
-from . import anthropic, embeddings, models, ollama, openai, status
+from . import anthropic, embeddings, models, ollama, openai, responses, status
 from .access import AccessGate, Key
 from .chat_http import HttpPolicy
 from .listener import HttpListener, split_address
@@ -79,6 +79,7 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
 
     app.include_router(models.router(daemon))
     app.include_router(openai.router(daemon, policy))
+    app.include_router(responses.router(daemon, policy))
     app.include_router(anthropic.router(daemon, policy))
     app.include_router(ollama.router(daemon, policy))
     app.include_router(embeddings.router(daemon))

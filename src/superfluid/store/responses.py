@@ -1,0 +1,69 @@
+"""Stored Responses API records under `<sessions>/responses/<id>.json`.
+
+A record is written to a temporary file, fsynced, renamed into place and its directory
+fsynced, so it is on disk before the response that made it is returned; a crash leaves
+either the old file or the new one, never half of one. Records never expire: they go
+when they are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
+
+
+class ResponseRecords:
+    """One JSON file per stored response, by id."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, response_id: str) -> Path | None:
+        # only well-formed ids reach the file system: an id is never a path
+        return self.directory / f"{response_id}.json" if RESPONSE_ID.match(response_id) else None
+
+    def put(self, response_id: str, record: dict[str, Any]) -> None:
+        path = self._path(response_id)
+        if path is None:
+            raise ValueError(f"{response_id!r} is not a response id (resp_ and 32 hex digits)")
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(record, handle, ensure_ascii=False, separators=(",", ":"))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        self._sync_directory()
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        path = self._path(response_id)
+        if path is None or not path.is_file():
+            return None
+        record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return record
+
+    def delete(self, response_id: str) -> bool:
+        """Remove a record; False when there was none."""
+        path = self._path(response_id)
+        if path is None or not path.is_file():
+            return False
+        path.unlink()
+        self._sync_directory()
+        return True
+
+    def _sync_directory(self) -> None:
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,269 @@
+"""The Responses API (/v1/responses), driven by the official `openai` client's `client.responses`.
+
+Every assertion holds on any machine: forced lengths (`ignore_eos`), the same request
+giving the same text, forced tool calls, and what the daemon reports about its cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import HttpDaemon
+
+from superfluid.protocol.schema import Request
+
+# end-of-generation banned: a reply of exactly max_output_tokens on every machine
+FORCED = {"ignore_eos": True}
+# a tool whose argument is one of a few words, so a forced call completes on any machine
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+        "required": ["city"],
+    },
+}
+
+
+# a reply constrained to one of two words: the turn ends normally on any machine
+CITY = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    proc = HttpDaemon(tmp_path_factory.mktemp("responses"), max_context=2048, max_batch=4).start()
+    yield proc
+    proc.stop()
+
+
+def client(daemon: HttpDaemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused")
+
+
+@pytest.fixture
+def oa(api: HttpDaemon) -> openai.OpenAI:
+    return client(api)
+
+
+def forced(oa: openai.OpenAI, tokens: int, **fields: object) -> openai.types.responses.Response:
+    """A response of exactly `tokens` tokens, greedy."""
+    return oa.responses.create(model="smollm2", max_output_tokens=tokens, temperature=0, extra_body=FORCED, **fields)
+
+
+def ended(oa: openai.OpenAI, **fields: object) -> openai.types.responses.Response:
+    """A greedy response whose turn ends normally on every machine: a city in JSON."""
+    reply = oa.responses.create(model="smollm2", text={"format": CITY}, temperature=0, max_output_tokens=64, **fields)
+    assert reply.status == "completed" and json.loads(reply.output_text)["city"] in ("Paris", "Oslo")
+    return reply
+
+
+def parent_of(daemon: HttpDaemon, child: str, parent: str) -> bool:
+    """Whether the session of response `child` was forked from the session of response `parent`."""
+    sessions = [
+        json.loads((daemon.sessions / "responses" / f"{i}.json").read_text())["session"] for i in (child, parent)
+    ]
+    with daemon.client() as sf:
+        tree = {node: (up, at) for node, up, at in sf.call(Request.Tree()).nodes}
+    return tree[sessions[0]][0] == sessions[1]
+
+
+def test_create_and_a_forced_length(oa: openai.OpenAI) -> None:
+    reply = forced(oa, 12, input="Name three rivers.", instructions="Be brief.", metadata={"run": "1"})
+    assert reply.id.startswith("resp_") and len(reply.id) == len("resp_") + 32
+    assert reply.object == "response" and reply.model == "smollm2" and reply.metadata == {"run": "1"}
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.usage.output_tokens == 12 and reply.usage.input_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.input_tokens + 12
+    assert reply.usage.output_tokens_details.reasoning_tokens == 0
+    (message,) = reply.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].type == "output_text" and reply.output_text
+    again = forced(oa, 12, input="Name three rivers.", instructions="Be brief.")
+    assert again.output_text == reply.output_text, "greedy is reproducible"
+    assert again.id != reply.id
+
+
+def test_streaming_events_in_order(oa: openai.OpenAI, api: HttpDaemon) -> None:
+    events = list(forced(oa, 10, input="Tell me about the sea.", stream=True))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text == events[-4].text
+    assert final.usage.output_tokens == 10 and final.status == "incomplete"
+    assert oa.responses.retrieve(final.id).output_text == text, "a streamed response is stored"
+    unary = forced(oa, 10, input="Tell me about the sea.")
+    assert unary.output_text == text, "streaming changes nothing of the text"
+    body = {"model": "smollm2", "input": "Hi", "max_output_tokens": 3, "stream": True, **FORCED}
+    raw = httpx.post(f"{api.url}/v1/responses", json=body, timeout=120).text
+    assert raw.startswith("event: response.created\ndata: {") and "[DONE]" not in raw
+
+
+def test_a_chain_continues_warm(oa: openai.OpenAI, api: HttpDaemon) -> None:
+    question = "Which city is the capital of France? Answer in JSON."
+    first = ended(oa, input=question, instructions="Be brief.")
+    second = forced(oa, 8, input="And one more?", instructions="Be brief.", previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.usage.output_tokens == 8
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached > 0
+    # the session is forked after the first turn: all of it, the reply included, is cached
+    assert parent_of(api, second.id, first.id)
+    assert cached >= first.usage.total_tokens - 1
+    assert second.usage.input_tokens > first.usage.total_tokens
+    # other instructions: the conversation is rendered anew from the stored items, without the old ones
+    rebuilt = forced(oa, 8, input="And one more?", instructions="Answer in French.", previous_response_id=first.id)
+    assert rebuilt.instructions == "Answer in French." and not parent_of(api, rebuilt.id, first.id)
+    assert rebuilt.usage.input_tokens > first.usage.input_tokens, "the earlier turn is in the prompt"
+    again = forced(oa, 8, input="And one more?", instructions="Answer in French.", previous_response_id=first.id)
+    assert again.output_text == rebuilt.output_text
+    # a turn cut by max_output_tokens is not continued in place either
+    cut = forced(oa, 8, input="And another?", previous_response_id=second.id, instructions="Be brief.")
+    assert cut.status == "incomplete" and not parent_of(api, cut.id, second.id)
+
+
+def test_a_function_tool_round_trip(oa: openai.OpenAI, api: HttpDaemon) -> None:
+    asked = oa.responses.create(
+        model="smollm2",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+    )
+    assert asked.status == "completed"
+    (call,) = asked.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.id.startswith("fc_")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo", "Lima") and call.call_id
+    answered = forced(
+        oa,
+        8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"celsius": 18})}],
+        tools=[WEATHER],
+        previous_response_id=asked.id,
+    )
+    assert answered.status == "incomplete" and answered.usage.output_tokens == 8 and answered.output
+    assert parent_of(api, answered.id, asked.id), "the output is appended to the forked session"
+    assert answered.usage.input_tokens_details.cached_tokens >= asked.usage.total_tokens - 1
+    (item,) = oa.responses.input_items.list(answered.id)
+    assert item.type == "function_call_output" and item.call_id == call.call_id
+
+
+def test_a_forced_call_streams(oa: openai.OpenAI) -> None:
+    events = list(
+        oa.responses.create(
+            model="smollm2",
+            input="What is the weather in Oslo?",
+            tools=[WEATHER],
+            tool_choice="required",
+            temperature=0,
+            stream=True,
+        )
+    )
+    types = [e.type for e in events]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[3].delta == events[4].arguments == events[-1].response.output[0].arguments
+
+
+def test_stored_records_input_items_and_delete(oa: openai.OpenAI) -> None:
+    inputs = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a river."}]},
+    ]
+    reply = forced(oa, 6, input=inputs)
+    stored = oa.responses.retrieve(reply.id)
+    assert stored.output_text == reply.output_text and stored.usage == reply.usage
+    items = list(oa.responses.input_items.list(reply.id, order="asc"))
+    assert [(i.role, i.content[0].text) for i in items] == [("developer", "Be brief."), ("user", "Name a river.")]
+    assert [i.id for i in oa.responses.input_items.list(reply.id)] == [i.id for i in reversed(items)]
+    oa.responses.delete(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.delete(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        forced(oa, 4, input="More?", previous_response_id=reply.id)
+    unstored = forced(oa, 4, input="Hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(unstored.id)
+
+
+def test_refusals(oa: openai.OpenAI) -> None:
+    refused = [
+        ({"tools": [{"type": "web_search"}]}, "unsupported_tool"),
+        ({"background": True}, "unsupported_parameter"),
+        ({"conversation": "conv_1"}, "unsupported_parameter"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_parameter"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+            "unsupported_parameter",
+        ),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "invalid_request_error"),
+    ]
+    for fields, code in refused:
+        body = {"model": "smollm2", "input": "Hi", **fields}
+        with pytest.raises(openai.BadRequestError) as caught:
+            oa.responses.create(**body)
+        assert caught.value.code == code, (fields, caught.value)
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.cancel(forced(oa, 2, input="Hi").id)
+
+
+def test_a_record_survives_a_restart_and_belongs_to_its_key(tmp_path: Path) -> None:
+    policy = tmp_path / "keys.json"
+    policy.write_text(json.dumps({"keys": [{"name": "alice", "key": "alice-key"}, {"name": "bob", "key": "bob-key"}]}))
+    daemon = HttpDaemon(tmp_path, "--key-policy", str(policy), max_context=1024, max_batch=2).start()
+
+    def as_(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key)
+
+    try:
+        first = ended(as_("alice-key"), input="Which city is the capital of France? Answer in JSON.")
+        daemon.stop()
+        daemon.start()
+        alice, bob = as_("alice-key"), as_("bob-key")
+        assert alice.responses.retrieve(first.id).output_text == first.output_text
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            forced(bob, 4, input="Another?", previous_response_id=first.id)
+        second = forced(alice, 4, input="Another?", previous_response_id=first.id)
+        assert second.status == "incomplete" and second.usage.input_tokens > first.usage.total_tokens
+        assert parent_of(daemon, second.id, first.id), "the stored session is forked after a restart too"
+    finally:
+        daemon.stop()
