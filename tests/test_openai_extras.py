@@ -258,3 +258,25 @@ def test_a_worker_killed_mid_stream_ends_it_with_an_error_chunk(api: HttpDaemon)
             break
         time.sleep(0.2)
     assert again.status_code == 200
+
+
+def test_a_reply_that_ends_like_the_start_of_a_marker_keeps_its_end(oa: openai.OpenAI, vocab: LlamaModel) -> None:
+    # "<" could open <think> or <tool_call>, so the splitter holds it back until the next token;
+    # at the end of a reply there is none, and what it held must still reach the client
+    (angle,) = vocab.tokenize("<", False)
+    for stream in (False, True):
+        reply = oa.chat.completions.create(
+            model="smollm2",
+            messages=QUESTION,
+            max_tokens=4,
+            temperature=0,
+            logit_bias={str(angle): 100},  # outweighs every other logit: each token drawn is "<"
+            extra_body=FORCED,
+            stream=stream,
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            if stream
+            else reply.choices[0].message.content
+        )
+        assert text == "<<<<", (stream, text)

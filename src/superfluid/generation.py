@@ -124,14 +124,18 @@ class GenerationRun:
         for token in tokens:
             for piece in self.splitter.feed(token):
                 self._pending.append(piece)
-                rows = tuple(self._rows.popleft() for _ in piece.tokens if self._rows)
-                if piece.channel != CHANNEL_TEXT:
-                    rows = ()  # log probabilities describe the reply's content
-                if (piece.text or rows) and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
-                    if self.provisional:
-                        self.listener.put(Provisional(piece.channel, piece.text, rows))
-                    if piece.text:
-                        self.publisher.provisional(self.session, piece.channel, piece.text)
+                self._show(piece)
+
+    def _show(self, piece: Piece) -> None:
+        """Hand a piece of text or reasoning to whoever watches it before it is committed."""
+        rows = tuple(self._rows.popleft() for _ in piece.tokens if self._rows)
+        if piece.channel != CHANNEL_TEXT:
+            rows = ()  # log probabilities describe the reply's content
+        if (piece.text or rows) and piece.channel in (CHANNEL_TEXT, CHANNEL_REASONING):
+            if self.provisional:
+                self.listener.put(Provisional(piece.channel, piece.text, rows))
+            if piece.text:
+                self.publisher.provisional(self.session, piece.channel, piece.text)
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
         self.finish = finish
@@ -143,7 +147,10 @@ class GenerationRun:
         generation a last `Generated` that carries the finish code."""
         pieces, self._pending = self._pending, []
         if self.finish is not None:
-            pieces += self.splitter.flush()
+            tail = self.splitter.flush()  # what was held back in case it began a marker
+            for piece in tail:
+                self._show(piece)
+            pieces += tail
         bodies: list[EventBody] = []
         channel, span, text = self.splitter.channel, [], []
         for piece in pieces:

@@ -304,14 +304,12 @@ async def _first_pieces(pieces: AsyncIterator[Piece]) -> list[Piece]:
 
 
 async def _chat_stream_reply(run: ChatRun, http: Request, reply_id: str, name: str, logprobs: bool) -> Response:
-    """A streamed reply, answered once the run has its first piece: by then its warm prefix is known."""
+    """A streamed reply, answered once the run has its first piece (by then its warm prefix is known),
+    or has failed before it: a failure is an error chunk then `[DONE]` either way."""
     pieces = run.pieces()
     first = await while_connected(_first_pieces(pieces), [run], http)
     if first is None:
         return error("the client closed the connection", GONE, "client_closed")
-    outcome = run.result()
-    if not first and isinstance(outcome, str):
-        return error(outcome, 500, "server_error")  # nothing was sent yet: a plain error reply
     return StreamingResponse(
         _chat_stream(run, first, pieces, reply_id, name, logprobs),
         media_type="text/event-stream",
