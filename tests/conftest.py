@@ -146,6 +146,18 @@ def text_of(events: list) -> str:
     return "".join(e.body.text for e in events if type(e.body).__name__ == "Generated")
 
 
+# a tool whose argument is one of a few words, so a forced call completes on any machine
+CITY_FUNCTION = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+        "required": ["city"],
+    },
+}
+
+
 def chat_body(content: str, max_tokens: int, stream: bool) -> dict:
     """An OpenAI chat request of exactly `max_tokens` greedy tokens, on any machine."""
     return {

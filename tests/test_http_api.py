@@ -13,7 +13,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from conftest import HttpDaemon
+from conftest import CITY_FUNCTION, HttpDaemon
 
 WEATHER = {
     "type": "function",
@@ -39,19 +39,7 @@ def oa(api: HttpDaemon) -> openai.OpenAI:
 
 # end-of-generation banned: a reply of exactly max_tokens on every machine
 FORCED = {"ignore_eos": True}
-# a tool whose argument is one of a few words, so a forced call always completes
-CITY_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
-            "required": ["city"],
-        },
-    },
-}
+CITY_TOOL = {"type": "function", "function": CITY_FUNCTION}
 
 
 def test_openai_chat_and_a_warm_second_turn(oa: openai.OpenAI) -> None:

@@ -13,23 +13,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import HttpDaemon
+from conftest import CITY_FUNCTION, HttpDaemon
 
 from superfluid.protocol.schema import Request
 
 # end-of-generation banned: a reply of exactly max_output_tokens on every machine
 FORCED = {"ignore_eos": True}
-# a tool whose argument is one of a few words, so a forced call completes on any machine
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
-        "required": ["city"],
-    },
-}
+WEATHER = {"type": "function", **CITY_FUNCTION}  # the Responses API's flat function tool
 
 
 # a reply constrained to one of two words: the turn ends normally on any machine
