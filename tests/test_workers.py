@@ -153,10 +153,7 @@ def test_workers_that_die_before_serving_come_back_ever_more_slowly(daemon: Http
     assert time.monotonic() - started >= 0.5 + 1.0, "the second and third restarts waited 0.5 s and 1 s"
     log = daemon.log.read_text()
     assert "keep dying (2 in a minute): waiting 0.5 s" in log and "keep dying (3 in a minute): waiting 1.0 s" in log
-    with daemon.client() as c:
-        session = new_session(c)
-        say(c, session, "Hello.")
-        forced(c, session, 4)
+    answers_a_session(daemon, 4)
 
 
 def test_a_non_streaming_request_cut_by_a_crash_is_a_server_error(daemon: HttpDaemon) -> None:
@@ -255,12 +252,17 @@ def test_several_models_load_unload_and_forget(tmp_path: Path) -> None:
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4, "it loads on demand"
         assert httpx.delete(f"{proc.url}/v1/models/{second}", timeout=60).json()["deleted"] is True
         assert [m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"]] == [proc_default(proc)]
-        with proc.client() as c:  # the session API runs on the default model throughout
-            session = new_session(c)
-            say(c, session, "Hello.")
-            forced(c, session, 3)
+        answers_a_session(proc, 3)  # the session API runs on the default model throughout
     finally:
         proc.stop()
+
+
+def answers_a_session(daemon: HttpDaemon, tokens: int) -> None:
+    """A new session over the socket gets a forced reply of `tokens` tokens."""
+    with daemon.client() as c:
+        session = new_session(c)
+        say(c, session, "Hello.")
+        forced(c, session, tokens)
 
 
 def proc_default(proc: HttpDaemon) -> str:
@@ -271,10 +273,7 @@ def test_without_a_worker_process_the_engine_runs_in_the_daemon(tmp_path: Path) 
     proc = HttpDaemon(tmp_path, "--no-worker-process", max_context=1024, max_batch=2).start()
     try:
         assert workers_of(proc) == []
-        with proc.client() as c:
-            session = new_session(c)
-            say(c, session, "Hello.")
-            forced(c, session, 5)
+        answers_a_session(proc, 5)
     finally:
         proc.stop()
 

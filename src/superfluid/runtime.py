@@ -211,9 +211,7 @@ class Models:
     def runtime(self, model_id: str) -> Runtime:
         """The model's runtime, loading it first if it is not loaded."""
         with self._lock:
-            known = self.known.get(model_id)
-            if known is None:
-                raise ModelError(f"model {model_id!r} is not known here; known: {', '.join(self.known)}", 404)
+            known = self._known(model_id)
             if known.runtime is None:
                 self._load(model_id, known)
             assert known.runtime is not None
@@ -222,6 +220,12 @@ class Models:
 
     def default(self) -> Runtime:
         return self.runtime(self.default_id)
+
+    def _known(self, model_id: str) -> Known:
+        known = self.known.get(model_id)
+        if known is None:
+            raise ModelError(f"model {model_id!r} is not known here; known: {', '.join(self.known)}", 404)
+        return known
 
     def _load(self, model_id: str, known: Known) -> None:
         started = time.monotonic()
@@ -237,9 +241,7 @@ class Models:
     def unload(self, model_id: str) -> None:
         """Stop a model's worker and free its memory; the last loaded model stays."""
         with self._lock:
-            known = self.known.get(model_id)
-            if known is None:
-                raise ModelError(f"model {model_id!r} is not known here; known: {', '.join(self.known)}", 404)
+            known = self._known(model_id)
             if known.runtime is None:
                 return
             if len(self.loaded()) == 1:

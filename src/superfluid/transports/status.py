@@ -14,6 +14,7 @@ Each takes an optional `model` (in the body, or `?model=` on the GET routes); no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -139,19 +140,19 @@ def router(daemon: Daemon) -> APIRouter:
             return error(f"token id {outside[0]} is outside the vocabulary (0..{n_vocab - 1})", param="tokens")
         return JSONResponse({"content": runtime.model.detokenize(body.tokens, special=True)})
 
-    @api.get("/props")
-    async def get_props(model: str | None = None) -> Response:
+    async def describe(model: str | None, view: Callable[[Runtime], Any]) -> Response:
         try:
-            return JSONResponse(props(await runtime_for(daemon, model)))
+            return JSONResponse(view(await runtime_for(daemon, model)))
         except ChatError as e:
             return error(str(e), e.status, e.code)
 
+    @api.get("/props")
+    async def get_props(model: str | None = None) -> Response:
+        return await describe(model, props)
+
     @api.get("/slots")
     async def get_slots(model: str | None = None) -> Response:
-        try:
-            return JSONResponse(slots(await runtime_for(daemon, model)))
-        except ChatError as e:
-            return error(str(e), e.status, e.code)
+        return await describe(model, slots)
 
     @api.post("/slots/{slot}")
     @api.post("/slots/{slot}/{action}")
