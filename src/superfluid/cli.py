@@ -134,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.web:
                 parse_web_address(args.web)
             split_address(http_address(args))
-            if args.key_policy is not None:
-                load_policy(args.key_policy, args.api_key)  # refused now, before any model loads
+            # read once, and refused now, before any model loads
+            keys = load_policy(args.key_policy, args.api_key) if args.key_policy is not None else []
         except ValueError as e:
             parser.error(str(e))
         config = serve_config(args)
+        config.keys = keys
         setup_logging(config.log_filter, config.log_file, config.log_dir)
         for line in notices(args):
             print(f"superfluid: {line}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_HTTP = "127.0.0.1:8453"
@@ -85,7 +86,7 @@ class ServeConfig:
     class_lanes: dict[int, int] = field(default_factory=dict)  # QoS class -> most lanes it may hold
     nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
     api_key: str | None = None
-    key_policy: Path | None = None
+    keys: list[Any] = field(default_factory=list)  # the keys of --key-policy, read once at start
     rate_limit: int = 0  # requests per minute per client IP; 0 off
     drain_timeout: float = 60.0
     log_file: Path | None = None

@@ -59,7 +59,6 @@ class NumberedFiles(logging.handlers.RotatingFileHandler):
         super().__init__(
             directory / "superfluid.0.jsonl", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILES_KEPT - 1, delay=True
         )
-        self.directory = directory
         self.namer = lambda name: str(directory / f"superfluid.{name.rsplit('.', 1)[-1]}.jsonl")
 
     def _open(self) -> IO[str]:

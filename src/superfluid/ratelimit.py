@@ -46,6 +46,11 @@ class TokenBucket:
                 return 0.0
             return min((1.0 - self._tokens) / self.rate, MAX_WAIT_S)
 
+    def rested(self) -> bool:
+        """True when the bucket has filled up again: forgetting it changes nothing."""
+        with self._lock:
+            return self._tokens + (self._clock() - self._last) * self.rate >= self.burst
+
 
 def retry_after_ms(wait_s: float) -> int:
     return max(1, math.ceil(wait_s * 1000))

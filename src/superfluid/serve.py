@@ -16,7 +16,6 @@ from .daemon import Daemon
 from .metrics import Metrics
 from .runtime import Models
 from .store.sessions import SessionStore
-from .transports.access import load_policy
 from .transports.chat_http import HttpPolicy
 from .transports.http import ApiServer
 from .transports.socket import SocketServer
@@ -60,8 +59,7 @@ async def serve(config: ServeConfig) -> int:
             config.http_allow_batch_invariant,
             config.nonstream_keepalive,
         )
-        keys = load_policy(config.key_policy, config.api_key) if config.key_policy else []
-        api_server = ApiServer(daemon, config.http, policy, config.api_key, keys, config.rate_limit)
+        api_server = ApiServer(daemon, config.http, policy, config.api_key, config.keys, config.rate_limit)
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
     print(

@@ -121,6 +121,17 @@ def _unit(low: float, high: float | None = None) -> Any:
     return parse
 
 
+class Repeatable(argparse._AppendAction):
+    """A repeatable flag: given on the command line, it replaces the list the environment set."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: str | None = None) -> None:
+        given = f"_{self.dest}_given"
+        if not getattr(namespace, given, False):
+            setattr(namespace, self.dest, [])
+            setattr(namespace, given, True)
+        super().__call__(parser, namespace, values, option)
+
+
 class Retired(argparse.Action):
     """A flag of the reference daemon that does nothing here: noted, then ignored."""
 
@@ -137,7 +148,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model",
         dest="more_models",
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="M",
         help="serve this model too (repeatable); the first named, MODEL or --model, is the default, which the "
@@ -205,7 +216,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--web-origin",
         dest="web_origins",
-        action="append",
+        action=Repeatable,
         default=[],
         metavar="ORIGIN",
         help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
@@ -462,7 +473,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         class_lanes=args.class_lanes,
         nonstream_keepalive=args.nonstream_keepalive,
         api_key=args.api_key,
-        key_policy=args.key_policy,
         rate_limit=max(0, args.rate_limit),
         drain_timeout=args.drain_timeout,
         log_file=args.log_file,

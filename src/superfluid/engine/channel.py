@@ -81,7 +81,6 @@ class WorkerEngine:
         self.shape = shape
         self.end_of_generation = end_of_generation
         self.on_death = on_death
-        self.respawns = 0
         self.pid: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
@@ -139,12 +138,12 @@ class WorkerEngine:
             self._channel.close()
         now = time.monotonic()
         self._deaths = [] if self._served else [t for t in self._deaths if now - t < 60] + [now]
+        self._served = False  # until the new worker serves a step: one that fails to start counts as a death
         delay = min(30.0, 0.25 * 2 ** (len(self._deaths) - 1)) if len(self._deaths) > 1 else 0.0
         if delay:
             log.warning("workers keep dying (%d in a minute): waiting %.1f s before the next", len(self._deaths), delay)
             time.sleep(delay)
         self.start()
-        self.respawns += 1
         log.info("a new llama.cpp worker (pid %d) serves %s", self.pid, self.model_path.name)
 
     def close(self) -> None:
@@ -158,10 +157,6 @@ class WorkerEngine:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-
-    @property
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def exit_description(self) -> str:
         status = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,8 @@ from .grammar import Grammar
 from .llama import ContextShape, EmbeddingContext, EngineError, LlamaContext
 from .sampling import sample
 from .shaping import LogprobRow, Shaper, Shaping, log_softmax_row
+
+T = TypeVar("T")
 
 
 class WorkerGone(EngineError):
@@ -120,7 +122,7 @@ class LocalEngine:
         logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
         drawn = []
         for index, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):
-            shaper = self._shapers.get(draw.shaping) if draw.shaping else None
+            shaper = _opened(self._shapers, draw.shaping, "shaping") if draw.shaping else None
             if shaper is None:
                 drawn.append(self._draw(row, draw))
                 continue
@@ -135,7 +137,7 @@ class LocalEngine:
         return drawn
 
     def _draw(self, logits: np.ndarray, draw: Draw) -> int:
-        grammar = self._grammars.get(draw.grammar) if draw.grammar else None
+        grammar = _opened(self._grammars, draw.grammar, "grammar") if draw.grammar else None
         if grammar is None:
             if draw.ignore_eos:  # a grammar decides for itself when it is complete
                 logits[self.end_of_generation] = -np.inf
@@ -196,3 +198,11 @@ class LocalEngine:
             if self._embedder is not None:
                 self._embedder.close()
         self.context.close()
+
+
+def _opened(table: dict[int, T], handle: int, what: str) -> T:
+    """The state a handle names; a handle this engine never opened is an error, never "no constraint"."""
+    found = table.get(handle)
+    if found is None:
+        raise EngineError(f"{what} handle {handle} is not open in this engine")
+    return found

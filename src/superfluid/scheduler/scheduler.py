@@ -301,11 +301,12 @@ class Scheduler:
             cut = [job for job in self._queue if job.admitted]  # preempted mid-generation: their KV is gone too
             for job in cut:
                 self._queue.remove(job)
+            for job in [*self._queue, *cut, *(lane.job for lane in self.lanes)]:
+                job.grammar_handle = job.shaping_handle = 0  # their state went with the worker
         cut += [lane.job for lane in self.lanes]
         self.lanes.clear()
         self.stats.lanes_active = 0
         for job in cut:
-            job.grammar_handle = job.shaping_handle = 0  # their state went with the worker
             self._finish(job, FINISH_ERROR, f"generation failed: {why}")
         self.cache.entries.clear()
         self._free_seqs = list(range(self.engine.shape.sequences - 1, -1, -1))
@@ -416,21 +417,22 @@ class Scheduler:
 
     def _room_for_short(self, job: Job) -> bool:
         """A lane for a short job: the one kept beyond --max-batch, else one with a long prompt still to prefill."""
-        tokens = np.asarray(job.tokens, dtype=np.int32)
-        running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        seed = self.cache.lookup(tokens, running, self.now_ms())
-        if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
-            return False
-        if len(self.lanes) == self.max_lanes and len(self.lanes) < self.engine.shape.sequences:
-            return True
+        spare = len(self.lanes) == self.max_lanes and len(self.lanes) < self.engine.shape.sequences
         klass = self._class_now(job)
         candidates = [
             lane
             for lane in self.lanes
             if lane.job.qos >= klass and not lane.job.batch_invariant and len(lane.feed) > LONG_PREFILL
         ]
-        if not candidates:
+        if not spare and not candidates:
+            return False  # no room either way: spare the prefix lookup, this runs every step while lanes are full
+        tokens = np.asarray(job.tokens, dtype=np.int32)
+        running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
+        seed = self.cache.lookup(tokens, running, self.now_ms())
+        if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
             return False
+        if spare:
+            return True
         self._preempt(max(candidates, key=lambda lane: len(lane.feed)))
         return True
 

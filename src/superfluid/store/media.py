@@ -8,10 +8,10 @@ any session can reference it. `gc` removes every blob no live session references
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 from pathlib import Path
+
+from .durable import write_atomically
 
 HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -27,23 +27,7 @@ class MediaStore:
         target = self.directory / digest
         if target.exists():
             return digest
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temp, 0o600)
-            os.replace(temp, target)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(target, data)
         return digest
 
     def has(self, digest: str) -> bool:

@@ -9,11 +9,11 @@ when they are deleted.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .durable import sync_directory, write_atomically
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 
@@ -32,18 +32,7 @@ class ResponseRecords:
         path = self._path(response_id)
         if path is None:
             raise ValueError(f"{response_id!r} is not a response id (resp_ and 32 hex digits)")
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(record, handle, ensure_ascii=False, separators=(",", ":"))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
-        self._sync_directory()
+        write_atomically(path, json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         path = self._path(response_id)
@@ -58,12 +47,5 @@ class ResponseRecords:
         if path is None or not path.is_file():
             return False
         path.unlink()
-        self._sync_directory()
+        sync_directory(self.directory)
         return True
-
-    def _sync_directory(self) -> None:
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)

@@ -52,7 +52,9 @@ POLICY_FIELDS = {
 NAME = re.compile(r"[A-Za-z0-9._-]+")
 OPEN_PATHS = {"/health"}  # never keyed, metered or drained
 UNMETERED_PATHS = {"/health", "/metrics", "/v1/metrics"}  # keyed, but outside rate limits and slots
+STATE_KEY = "superfluid_key"  # where the gate leaves a request's key, in the ASGI scope's state
 GLOBAL_KEY = "api-key"  # the name `--api-key` has in metrics
+PEERS_KEPT = 4096  # client IPs metered before the buckets that filled up again are dropped
 
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 503: "server_error"}
@@ -226,7 +228,7 @@ class AccessGate:
             await send({"type": "http.response.body", "body": payload})
             return
         metered = scope["path"] not in UNMETERED_PATHS
-        scope.setdefault("state", {})["superfluid_key"] = key
+        scope.setdefault("state", {})[STATE_KEY] = key
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -253,6 +255,7 @@ class AccessGate:
             key = found if isinstance(found, Key) else None
             name = key.name if key is not None else GLOBAL_KEY
             if is_admin_route(scope["method"], scope["path"]) and key is not None and not key.admin:
+                # (Ollama's keep_alive unloads too: its route asks `may_administer`)
                 message = f"loading and unloading models needs an admin key; key {key.name!r} is not one"
                 return self._refuse(name, "admin_required", 403, "admin_required", message)
         if scope["path"] in UNMETERED_PATHS:
@@ -264,6 +267,8 @@ class AccessGate:
                 return self._refuse(name, "rate_limited", 429, "rate_limit_exceeded", message, wait)
         elif self.rate_limit_rpm:
             peer = (scope.get("client") or ("?", 0))[0]
+            if peer not in self._peers and len(self._peers) >= PEERS_KEPT:
+                self._peers = {ip: bucket for ip, bucket in self._peers.items() if not bucket.rested()}
             wait = self._peers.setdefault(peer, per_minute(self.rate_limit_rpm)).take()
             if wait:
                 message = f"{peer} is over the {self.rate_limit_rpm} requests a minute this server allows a client"
@@ -297,6 +302,17 @@ class AccessGate:
             if hmac.compare_digest(presented, key.digest):
                 found = key
         return found
+
+
+def request_key(scope: Scope) -> Key | None:
+    """The policy key a request came with; None without keys, or with the global `--api-key`."""
+    return scope.get("state", {}).get(STATE_KEY)
+
+
+def may_administer(scope: Scope) -> bool:
+    """Whether a request may load and unload models: keys off, the global key, or an admin key."""
+    key = request_key(scope)
+    return key is None or key.admin
 
 
 def _presented_key(scope: Scope) -> str | None:

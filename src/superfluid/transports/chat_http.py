@@ -23,7 +23,7 @@ from ..chat import ChatError, ChatRun, Collected
 from ..daemon import Daemon
 from ..protocol.schema import QOS_AGENT, QOS_NAMES, qos_class
 from ..runtime import ModelError, Runtime
-from .access import Key
+from .access import request_key
 
 QOS_HEADER = "x-superfluid-qos"
 INVARIANT_HEADER = "x-superfluid-batch-invariant"
@@ -41,12 +41,18 @@ class HttpPolicy:
     nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
 
 
-async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
-    """The loaded model a request names (loading it if need be); ChatError 404 for one not known here."""
+def model_id_for(daemon: Daemon, name: str | None) -> str:
+    """The id of the model a request names; ChatError 404, listing the known ones, for one not known here."""
     model_id = daemon.models.find(name)
     if model_id is None:
         known = ", ".join(daemon.models.known)
         raise ChatError(f"model {name!r} is not served here; known models: {known}", 404, "model_not_found")
+    return model_id
+
+
+async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
+    """The loaded model a request names (loading it if need be); ChatError 404 for one not known here."""
+    model_id = model_id_for(daemon, name)
     try:
         return await asyncio.to_thread(daemon.models.runtime, model_id)
     except ModelError as e:
@@ -58,7 +64,7 @@ def scheduling(request: Request, policy: HttpPolicy) -> tuple[int, bool]:
 
     A key from `--key-policy` brings its own class, the most urgent class it may claim, and
     whether it may ask for batch invariance."""
-    key: Key | None = request.scope.get("state", {}).get("superfluid_key")
+    key = request_key(request.scope)
     qos = key.qos if key is not None else policy.default_qos
     claimed = request.headers.get(QOS_HEADER)
     if claimed and policy.qos_header:

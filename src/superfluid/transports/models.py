@@ -19,9 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..daemon import Daemon
 from ..runtime import ModelError
+from ..serve_flags import RUNTIMES
 from .openai import Body, error
-
-RUNTIMES = ("llamacpp", "llama.cpp", "llama-cpp", "auto")
 
 
 class LoadBody(Body):

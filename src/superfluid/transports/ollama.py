@@ -24,7 +24,8 @@ from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..runtime import ModelError, Runtime
-from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
+from .access import may_administer
+from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, scheduling
 from .openai import GONE, Body, sampling
 
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
@@ -115,22 +116,24 @@ def _tag(model_id: str) -> str:
 
 def _entry(daemon: Daemon, model_id: str) -> dict[str, Any]:
     path = daemon.models.known[model_id].path
+    stat = path.stat()
     return {
         "name": _tag(model_id),
         "model": _tag(model_id),
-        "modified_at": datetime.fromtimestamp(path.stat().st_mtime, tz=UTC).isoformat().replace("+00:00", "Z"),
-        "size": path.stat().st_size,
+        "modified_at": datetime.fromtimestamp(stat.st_mtime, tz=UTC).isoformat().replace("+00:00", "Z"),
+        "size": stat.st_size,
         "digest": hashlib.sha256(str(path).encode()).hexdigest(),
         "details": {"format": "gguf"},
     }
 
 
-async def _keep_alive(daemon: Daemon, model: str | None, keep_alive: Any) -> str | None:
-    """Ollama's keep_alive on a request with nothing to generate: 0 unloads the model, anything else loads it."""
-    model_id = daemon.models.find(model)
-    if model_id is None:
-        raise ChatError(f"model {model!r} is not served here; known models: {', '.join(daemon.models.known)}", 404)
+async def _keep_alive(daemon: Daemon, http: Request, model: str | None, keep_alive: Any) -> str | None:
+    """Ollama's keep_alive on a request with nothing to generate: 0 unloads the model (an admin's
+    right under `--key-policy`, as `/v1/models/unload` is), anything else loads it."""
+    model_id = model_id_for(daemon, model)
     if keep_alive in (0, "0", "0s", "0m"):
+        if not may_administer(http.scope):
+            raise ChatError("unloading a model needs an admin key", 403, "admin_required")
         try:
             await asyncio.to_thread(daemon.models.unload, model_id)
         except ModelError as e:
@@ -178,7 +181,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     async def chat(body: ChatBody, http: Request) -> Response:
         try:
             if not body.messages and body.keep_alive is not None:
-                done = await _keep_alive(daemon, body.model, body.keep_alive)
+                done = await _keep_alive(daemon, http, body.model, body.keep_alive)
                 message = {"role": "assistant", "content": ""}
                 return JSONResponse(
                     {"model": body.model, "created_at": _now(), "message": message, "done": True, "done_reason": done}
@@ -206,7 +209,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     async def generate(body: GenerateBody, http: Request) -> Response:
         try:
             if not body.prompt:
-                done = await _keep_alive(daemon, body.model, body.keep_alive)
+                done = await _keep_alive(daemon, http, body.model, body.keep_alive)
                 return JSONResponse(
                     {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": done}
                 )

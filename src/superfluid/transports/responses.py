@@ -37,7 +37,7 @@ from ..daemon import TURN_ENDED, Daemon
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
-from .access import Key
+from .access import request_key
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .extras import EFFORTS
 from .openai import GONE, SampledBody, chat_messages, error
@@ -176,6 +176,7 @@ class Responses:
         self.daemon = daemon
         self.policy = policy
         self.records = ResponseRecords(daemon.store.directory / "responses")
+        self._purges: set[asyncio.Task[None]] = set()
 
     async def record(self, response_id: str, http: Request) -> dict[str, Any] | None:
         """A stored response, if the request's key may see it: under a key policy each key sees its own."""
@@ -287,12 +288,8 @@ class Responses:
         response = self.response(turn, status, output, usage=usage(outcome, reasoning_tokens))
         session = turn.run.session
         if not turn.body.store:
-            await self.purge(session)
             return response
-        with self.daemon.store.lock:
-            state = self.daemon.store.get(session)
-            events = state.next_id if state else 0
-            ended = state is not None and state.last_finish in TURN_ENDED
+        events, ended = await asyncio.to_thread(self._session_end, session)
         record = {
             "response": response,
             "input": turn.items,
@@ -306,6 +303,21 @@ class Responses:
         await asyncio.to_thread(self.records.put, turn.id, record)
         return response
 
+    def _session_end(self, session: int) -> tuple[int, bool]:
+        """The session's next event id, and whether its last turn ended normally."""
+        with self.daemon.store.lock:
+            state = self.daemon.store.get(session)
+            return (state.next_id if state else 0), state is not None and state.last_finish in TURN_ENDED
+
+    def forget_unstored(self, turn: Turn) -> None:
+        """Purge the session of a `store: false` response however it ended (served, failed, or its
+        client gone), in a task of its own: this runs where nothing may be awaited any more."""
+        if turn.body.store:
+            return
+        task = asyncio.get_running_loop().create_task(self.purge(turn.run.session))
+        self._purges.add(task)
+        task.add_done_callback(self._purges.discard)
+
     async def purge(self, session: int) -> None:
         """Purge a response's session; sessions forked from it keep their history (reroot)."""
         state = self.daemon.store.get(session)
@@ -316,6 +328,12 @@ class Responses:
             log.warning("the session of a deleted response stays: %s", reply.message)
 
     async def reply(self, turn: Turn, http: Request) -> Response:
+        try:
+            return await self._reply(turn, http)
+        finally:
+            self.forget_unstored(turn)
+
+    async def _reply(self, turn: Turn, http: Request) -> Response:
         collected = await collect(turn.run, http)
         if collected is None:
             return error("the client closed the connection", GONE, "client_closed")
@@ -333,6 +351,14 @@ class Responses:
         return JSONResponse(response, headers={"x-superfluid-warm": str(outcome.cached_tokens)})
 
     async def stream(self, turn: Turn) -> AsyncIterator[str]:
+        try:
+            async for event in self._stream(turn):
+                yield event
+        finally:
+            turn.run.cancel()  # a client gone mid-stream leaves the inner generator unfinished
+            self.forget_unstored(turn)
+
+    async def _stream(self, turn: Turn) -> AsyncIterator[str]:
         numbers = itertools.count()
         started = self.response(turn, "in_progress", [])
         yield _event({"type": "response.created", "response": started}, next(numbers))
@@ -363,8 +389,8 @@ class Responses:
 
 
 def _owner(http: Request) -> str | None:
-    key = http.scope.get("state", {}).get("superfluid_key")
-    return key.name if isinstance(key, Key) else None
+    key = request_key(http.scope)
+    return key.name if key is not None else None
 
 
 def _not_found(response_id: str) -> Response:
