@@ -14,6 +14,7 @@ Run the suite with `SUPERFLUID_TEST_LOGIT_SKEW=<n>` to see it hold when the mode
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,7 +192,7 @@ class HttpDaemon(DaemonProcess):
         """A figure of /metrics, summed over its labels."""
         import httpx
 
-        return read_metric(httpx.get(f"{self.url}/metrics").text, name)
+        return present_metric(httpx.get(f"{self.url}/metrics").text, name)
 
 
 class WebDaemon(DaemonProcess):
@@ -237,4 +238,11 @@ def end_turn(daemon: WebDaemon, session: int) -> list[dict]:
 
 def metric(client: SocketClient, name: str) -> float:
     """A figure of the daemon's `Metrics`, summed over its labels."""
-    return read_metric(client.call(Request.Metrics()).text, name)
+    return present_metric(client.call(Request.Metrics()).text, name)
+
+
+def present_metric(exposition: str, name: str) -> float:
+    """`read_metric`, which says 0 for a name it does not find: here a missing name fails instead."""
+    family = name.split("{", 1)[0]
+    assert re.search(rf"^{re.escape(family)}[{{ ]", exposition, re.MULTILINE), f"{family} is not in the metrics"
+    return read_metric(exposition, name)

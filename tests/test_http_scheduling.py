@@ -28,10 +28,7 @@ def _document(seed: int, words: int) -> str:
 
 
 class Stream(threading.Thread):
-    """A streaming chat completion on a raw socket; `first_token` is when its first generated chunk arrived.
-
-    `close` hangs up from any thread, which cancels the generation.
-    """
+    """A streaming chat completion on a raw socket; `first_token` is when its first generated chunk arrived."""
 
     def __init__(self, api: HttpDaemon, content: str, qos: str | None, max_tokens: int) -> None:
         super().__init__()
@@ -57,7 +54,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         self.sock.sendall(self.request)
-        with contextlib.suppress(OSError), self.sock.makefile("rb") as lines:
+        with self.sock, contextlib.suppress(OSError), self.sock.makefile("rb") as lines:
             for raw in lines:
                 line = raw.decode("utf-8", "replace").strip()
                 if line == "data: [DONE]":
@@ -70,11 +67,6 @@ class Stream(threading.Thread):
                 delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
                 if self.first_token is None and "role" not in delta:
                     self.first_token = time.monotonic()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
 
 
 @pytest.mark.parametrize(("agents_qos", "chat_qos"), [("background", "interactive"), (None, None)])

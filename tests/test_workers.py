@@ -132,9 +132,18 @@ def test_sigkill_of_the_worker_twenty_times_loses_nothing(daemon: HttpDaemon) ->
             forced(c, session, 4)  # every session continues
         replay = new_session(c)
         say(c, replay, f"{STORY} Chapter 0.")
-        forced(c, replay, 50)
-        os.kill(wait_for_worker(daemon), signal.SIGKILL)  # cut mid-reply: the next Generate continues it
-        wait_for_worker(daemon)
+        c.send(Request.Generate(replay, 120, True))
+        deltas = 0
+        while deltas < 10:  # some of the reply is out, and committed
+            reply = c.receive()
+            assert isinstance(reply, Response.Delta), reply
+            deltas += 1
+        killed = wait_for_worker(daemon)
+        os.kill(killed, signal.SIGKILL)  # cut mid-reply: the next Generate continues it
+        while isinstance(reply, Response.Delta):
+            reply = c.receive()
+        assert isinstance(reply, Response.Generated) and reply.finish == FINISH_ERROR, reply
+        wait_for_worker(daemon, not_pid=killed)
         so_far = generated_tokens(
             [e for e in c.call(Request.Read(replay, 0)).events if isinstance(e.body, EventBody.Generated)]
         )
