@@ -52,6 +52,35 @@ def test_every_engine_path_computes_bit_identical_logits() -> None:
     assert not differing, differing
 
 
+def test_a_short_copy_moves_through_the_state_at_once_and_equals_a_stream_copy() -> None:
+    import llama_cpp
+    import numpy as np
+
+    from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+    from superfluid.model.resolve import embedded_model
+
+    model = LlamaModel(embedded_model().path)
+    context = LlamaContext(model, ContextShape(4096, 3, 512, 2))
+    prompt = model.tokenize("<|im_start|>user\nName three harbours.<|im_end|>\n<|im_start|>assistant\n", True)
+
+    def last(seq: int) -> np.ndarray:
+        one = np.ones(1, dtype=np.int32)
+        return context.decode(one * prompt[-1], one * (len(prompt) - 1), one * seq, np.ones(1, dtype=np.int8))[0].copy()
+
+    n = len(prompt) - 1
+    context.decode(
+        np.asarray(prompt[:-1], dtype=np.int32),
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, dtype=np.int32),
+        np.zeros(n, dtype=np.int8),
+    )
+    context.copy(0, 1, n)
+    assert not context.copy_pending, "a short source is copied at once, through its state"
+    assert context.length(1) == n
+    llama_cpp.llama_memory_seq_cp(llama_cpp.llama_get_memory(context._ctx), 0, 2, -1, -1)  # a stream copy
+    assert np.array_equal(last(1), last(2)), "the state copy and the stream copy decode to different logits"
+
+
 def _same(got: list[int], expected: list[int], what: str) -> None:
     if got != expected:
         at = next(

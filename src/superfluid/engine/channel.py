@@ -206,8 +206,8 @@ class WorkerEngine:
         return drawn
 
     def copy(self, source: int, target: int, length: int) -> None:
-        self._call(wire.COPY, wire.ints(source, target, length))
-        self._copying = True
+        (pending,) = wire.read_ints(self._call(wire.COPY, wire.ints(source, target, length)), 1)
+        self._copying = bool(pending)
 
     def truncate(self, seq: int, length: int) -> None:
         self._call(wire.TRUNCATE, wire.ints(seq, length))

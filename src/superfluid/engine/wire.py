@@ -22,6 +22,7 @@ from .local import Draw, Step
 from .shaping import MAX_TOP_LOGPROBS, LogprobRow, Shaping
 
 # request kinds (daemon -> worker)
+# (COPY answers 1 when the copy waits for the next step, 0 when it is done)
 STEP, COPY, TRUNCATE, EXPORT, RESTORE, OPEN_GRAMMAR, CLOSE_GRAMMAR = range(1, 8)
 # numbered apart from the kinds above, so that new step kinds can follow them
 EMBED = 32  # an input's token ids (i32s) in, its pooled embedding (f32s) back

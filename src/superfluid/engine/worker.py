@@ -35,7 +35,7 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
         return drawn + struct.pack("<d", time.perf_counter() - started)  # what the step cost here
     if kind == wire.COPY:
         engine.copy(*wire.read_ints(payload, 3))
-        return b""
+        return wire.ints(int(engine.copy_pending))  # a short copy is done at once
     if kind == wire.TRUNCATE:
         engine.truncate(*wire.read_ints(payload, 2))
         return b""
