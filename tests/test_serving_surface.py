@@ -362,3 +362,25 @@ def test_log_dir_holds_private_json_lines_without_content(tmp_path: Path) -> Non
     assert lines and all({"ts", "level", "target", "message"} <= set(line) for line in lines)
     assert any(line["level"] == "debug" for line in lines)
     assert marker not in files[0].read_text() and marker not in proc.log.read_text()
+
+
+def test_http_connections_send_each_chunk_at_once() -> None:
+    """asyncio turns Nagle's algorithm off (TCP_NODELAY) only on the connections of a socket that
+    names IPPROTO_TCP; left 0, a streamed chunk waits for the client's delayed ACK of the one
+    before (40 ms on Linux), which doubled an idle chat's first token."""
+    import asyncio
+
+    from superfluid.transports.listener import HttpListener
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        raise AssertionError("no request is made")
+
+    async def listening_protocols() -> set[int]:
+        listener = HttpListener(app, "127.0.0.1", 0, "a test listener")
+        await listener.start()
+        try:
+            return {sock.proto for server in listener._server.servers for sock in server.sockets}
+        finally:
+            await listener.stop()
+
+    assert asyncio.run(listening_protocols()) == {socket.IPPROTO_TCP}
