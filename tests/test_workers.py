@@ -318,3 +318,28 @@ def test_idle_models_unload_and_ollama_keep_alive_loads_them(tmp_path: Path) -> 
         assert unload.json()["done_reason"] == "unload" and not loaded()["second"]
     finally:
         proc.stop()
+
+
+def test_the_default_model_answers_while_another_loads(tmp_path: Path) -> None:
+    proc = two_models(tmp_path, max_context=4096, max_batch=8)
+    try:
+        second = next(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"] if not m["default"])
+        assert httpx.post(f"{proc.url}/v1/models/unload", json={"model": second}, timeout=60).status_code == 200
+        ended: dict[str, float] = {}
+
+        def load() -> None:
+            loaded = httpx.post(f"{proc.url}/v1/models/load", json={"model": second}, timeout=120)
+            assert loaded.status_code == 200
+            ended["load"] = time.monotonic()
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        while len(workers_of(proc)) < 2:  # its worker has started and is loading the model
+            time.sleep(0.01)
+        answers_a_session(proc, 3)
+        ended["session"] = time.monotonic()
+        loader.join(120)
+        assert "load" in ended, "the second model loaded"
+        assert ended["session"] < ended["load"], "a session on the default model waited for another model's load"
+    finally:
+        proc.stop()

@@ -165,6 +165,8 @@ class Known:
 
     path: Path
     runtime: Runtime | None = None
+    # held while this model loads or unloads (seconds), so that other models are served meanwhile
+    loading: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Models:
@@ -212,11 +214,15 @@ class Models:
         """The model's runtime, loading it first if it is not loaded."""
         with self._lock:
             known = self._known(model_id)
-            if known.runtime is None:
-                self._load(model_id, known)
-            assert known.runtime is not None
-            known.runtime.last_used = time.monotonic()
-            return known.runtime
+            runtime = known.runtime
+        if runtime is None:
+            with known.loading:
+                if known.runtime is None:
+                    self._load(model_id, known)
+                runtime = known.runtime
+        assert runtime is not None
+        runtime.last_used = time.monotonic()
+        return runtime
 
     def default(self) -> Runtime:
         return self.runtime(self.default_id)
@@ -242,12 +248,14 @@ class Models:
         """Stop a model's worker and free its memory; the last loaded model stays."""
         with self._lock:
             known = self._known(model_id)
-            if known.runtime is None:
-                return
-            if len(self.loaded()) == 1:
-                raise ModelError(f"{model_id} is the last loaded model; load another before unloading it")
-            runtime, known.runtime = known.runtime, None
-        runtime.close()
+        with known.loading:
+            with self._lock:
+                if known.runtime is None:
+                    return
+                if len(self.loaded()) == 1:
+                    raise ModelError(f"{model_id} is the last loaded model; load another before unloading it")
+                runtime, known.runtime = known.runtime, None
+            runtime.close()
         log.info("unloaded %s", model_id)
 
     def forget(self, model_id: str) -> None:
