@@ -11,7 +11,7 @@ import numpy as np
 from superfluid.engine.llama import ContextShape
 from superfluid.engine.local import Step
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
-from superfluid.scheduler.scheduler import STARVATION_STEPS, Job, Scheduler
+from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -304,5 +304,31 @@ def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
         for _, sink in [*decoding, *long_prompts]:
             assert sink.done.wait(30)
         assert other.out == alone([9, 9, 9], 3)
+    finally:
+        scheduler.stop()
+
+
+def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
+    context = FakeContext(sequences=6, delay=0.001, batch=64, window=4096)
+    scheduler = Scheduler(context, lanes=3, window=4096)
+    scheduler.start()
+    try:
+        agent, agent_out = started(scheduler, [5, 6, 7], 3000)
+        chat, chat_out = started(scheduler, [8, 9], 3000, qos=0)
+        while len(agent_out.out) < 3 or len(chat_out.out) < 3:
+            time.sleep(0.001)
+        seqs = {job: lane.seq for lane in scheduler.lanes for job in (agent, chat) if lane.job is job}
+        since = len(context.batches)
+        long_prompt, long_out = started(scheduler, list(range(100, 1300)), 2)
+        while not long_out.out:
+            time.sleep(0.001)
+        long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is long_prompt)
+        prefilling = [batch for batch in context.batches[since:] if long_seq in batch]
+        assert len(prefilling) >= 16, "the prompt took several steps to prefill"
+        assert all(seqs[chat] in batch for batch in prefilling), "an interactive lane decodes every step"
+        agent_steps = sum(seqs[agent] in batch for batch in prefilling)
+        assert 0 < agent_steps <= len(prefilling) // BATCH_DECODE_EVERY + 1, (agent_steps, len(prefilling))
+        scheduler.cancel(agent)
+        scheduler.cancel(chat)
     finally:
         scheduler.stop()
