@@ -55,6 +55,9 @@ class FakeContext:
     def restart(self) -> None:
         pass
 
+    def abandon_restart(self) -> None:
+        pass
+
     def copy(self, source: int, target: int, length: int) -> None:
         self.slots[target] = list(self.slots[source][:length])
         self.copying.update((source, target))

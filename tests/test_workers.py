@@ -343,3 +343,36 @@ def test_the_default_model_answers_while_another_loads(tmp_path: Path) -> None:
         assert ended["session"] < ended["load"], "a session on the default model waited for another model's load"
     finally:
         proc.stop()
+
+
+def test_unloading_a_model_whose_workers_keep_dying_starts_no_new_one(tmp_path: Path) -> None:
+    proc = two_models(tmp_path, max_context=1024, max_batch=2)
+    try:
+
+        def second_worker(not_pid: int | None = None) -> int:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                models = httpx.get(f"{proc.url}/v1/models").json()["data"]
+                pid = next(m["runtime"]["worker_pid"] for m in models if not m["default"])
+                if pid is not None and pid != not_pid and pid in workers_of(proc):
+                    return pid
+                time.sleep(0.05)
+            raise AssertionError("the second model's worker did not come up")
+
+        second = next(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"] if not m["default"])
+        pid = second_worker()
+        for _ in range(5):  # five deaths before any step: the next restart waits 0.25 * 2**4 = 4 s
+            os.kill(pid, signal.SIGKILL)
+            pid = second_worker(not_pid=pid)
+        os.kill(pid, signal.SIGKILL)  # the sixth: its restart waits 8 s
+        while "keep dying (6 in a minute)" not in proc.log.read_text():
+            time.sleep(0.05)
+        started = time.monotonic()
+        unloaded = httpx.post(f"{proc.url}/v1/models/unload", json={"model": second}, timeout=60)
+        assert unloaded.status_code == 200
+        assert time.monotonic() - started < 4, "the unload waited for the restart's backoff"
+        time.sleep(9)  # past the backoff: no worker may have started for the unloaded model
+        assert len(workers_of(proc)) == 1, "a worker started for a model that was unloaded"
+        answers_a_session(proc, 2)
+    finally:
+        proc.stop()

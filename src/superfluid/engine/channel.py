@@ -88,6 +88,7 @@ class WorkerEngine:
         self._deaths: list[float] = []  # deaths of workers that never finished a step
         self._served = False
         self._stopping = False
+        self._abandoned = threading.Event()  # a restart waiting out its backoff gives up when this is set
         # the scheduler's thread makes most calls, HTTP routes' threads embed: one call on the channel at a time
         self._calling = threading.Lock()
         # a step's time in all, and its time inside the worker: the difference is the channel's cost
@@ -142,9 +143,14 @@ class WorkerEngine:
         delay = min(30.0, 0.25 * 2 ** (len(self._deaths) - 1)) if len(self._deaths) > 1 else 0.0
         if delay:
             log.warning("workers keep dying (%d in a minute): waiting %.1f s before the next", len(self._deaths), delay)
-            time.sleep(delay)
+        if self._abandoned.wait(delay):
+            return  # the model is being unloaded: no worker for it
         self.start()
         log.info("a new llama.cpp worker (pid %d) serves %s", self.pid, self.model_path.name)
+
+    def abandon_restart(self) -> None:
+        """A restart in progress starts no worker: its model is being unloaded."""
+        self._abandoned.set()
 
     def close(self) -> None:
         """Stop the worker: it reads the end of its channel and exits."""

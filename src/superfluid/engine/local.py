@@ -98,6 +98,8 @@ class Engine(Protocol):
 
     def restart(self) -> None: ...
 
+    def abandon_restart(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -190,6 +192,9 @@ class LocalEngine:
 
     def restart(self) -> None:
         """Nothing to restart in this process: llama.cpp failing here takes the daemon with it."""
+
+    def abandon_restart(self) -> None:
+        """Nothing restarts here."""
 
     def close(self) -> None:
         for handle in list(self._grammars):

@@ -222,6 +222,7 @@ class Scheduler:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self.engine.abandon_restart()  # a worker restart waiting out its backoff would outlast the join
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._fail_all(why)
@@ -320,6 +321,8 @@ class Scheduler:
                 break
             except EngineError as e:
                 log.error("a new llama.cpp worker did not start: %s", e)
+        if self._stopping:
+            return  # unloaded meanwhile: no new worker
         self._worker_gone = False
         self.stats.respawns += 1
 
