@@ -335,3 +335,23 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
         scheduler.cancel(chat)
     finally:
         scheduler.stop()
+
+
+def test_a_cache_warm_up_does_not_slow_decoding_agents() -> None:
+    context = FakeContext(sequences=4, delay=0.001, batch=64, window=4096)
+    scheduler = Scheduler(context, lanes=2, window=4096)
+    scheduler.start()
+    try:
+        agent, agent_out = started(scheduler, [5, 6, 7], 3000)
+        while len(agent_out.out) < 3:
+            time.sleep(0.001)
+        agent_seq = next(lane.seq for lane in scheduler.lanes if lane.job is agent)
+        since = len(context.batches)
+        _warm, warmed = started(scheduler, list(range(100, 1300)), 0, prefill_only=True)
+        assert warmed.done.wait(30)
+        warming = [batch for batch in context.batches[since:] if batch - {agent_seq}]
+        assert len(warming) >= 16, "the warm-up took several steps"
+        assert all(agent_seq in batch for batch in warming), "a warm-up waits for no first token"
+        scheduler.cancel(agent)
+    finally:
+        scheduler.stop()

@@ -658,11 +658,11 @@ class Scheduler:
         plan = []
         decoding = [lane for lane in runnable if lane.decoding]
         if self.stats.steps % BATCH_DECODE_EVERY and any(
-            not lane.decoding and lane.job.qos >= QOS_AGENT for lane in runnable
+            not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable
         ):
             # batch work's first tokens first: while an agent's prompt prefills, the agents already
             # decoding take every few steps only (a decode token costs this engine as much as a
-            # prompt token), and interactive lanes every step
+            # prompt token), and interactive lanes every step; a cache warm-up waits for no token
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
