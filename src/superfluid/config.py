@@ -15,6 +15,7 @@ from typing import Any
 DEFAULT_MAX_BATCH = 8
 DEFAULT_HTTP = "127.0.0.1:8453"
 MAX_FRAME = 64 << 20
+KERNELS = ("fast", "exact")  # which llama.cpp build a model runs on (superfluid.engine.build)
 
 
 def default_host_cache_mb() -> int:
@@ -80,6 +81,7 @@ class ServeConfig:
     http_qos_header: bool = True
     http_allow_batch_invariant: bool = False
     worker_process: bool = True  # llama.cpp in a worker process, so its crash is not the daemon's
+    kernels: str = "fast"  # llama.cpp's own build ("fast") or the build whose logits ignore the batch ("exact")
     idle_timeout: float = 0.0  # unload a model (never the default) idle this long; 0 never
     max_tokens: int | None = None  # cap of a request that names none; None fills the context
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import SamplingDefaults, ServeConfig
-from .engine.build import exactness_problems
+from .engine.build import exactness_problems, fast_environment, fast_library
 from .engine.channel import WorkerEngine
 from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
 from .engine.local import Engine, LocalEngine
@@ -54,6 +54,7 @@ class Runtime:
     scheduler: Scheduler
     window: int
     fingerprint: int
+    kernels: str = "exact"  # the llama.cpp build its engine runs on: "fast" or "exact"
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for requests that name none
     max_tokens: int | None = None  # a request's cap when it names none; None fills the window
     last_used: float = field(default_factory=time.monotonic)
@@ -111,6 +112,24 @@ def chat_template(model: LlamaModel) -> ChatTemplate:
     )
 
 
+def fast_kernels(config: ServeConfig) -> Path | None:
+    """The fast build's directory when a model runs on it; None for the exact build (the log says why)."""
+    if config.kernels == "exact":
+        return None
+    if not config.worker_process:
+        log.warning(
+            "--no-worker-process runs llama.cpp in the daemon, on its exact build; --kernels fast needs workers"
+        )
+        return None
+    library = fast_library()
+    if library is None:
+        log.warning(
+            "llama.cpp's own build is not installed (`make serve` builds it into .venv/llama-fast, or point "
+            "$SUPERFLUID_FAST_LIB at a directory with its libllama.so): running on the exact build"
+        )
+    return library
+
+
 def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
     model = LlamaModel(path, vocab_only=config.worker_process)
@@ -122,9 +141,12 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     if window > trained:
         log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
     shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads)
+    library = fast_kernels(config)
+    kernels = "exact" if library is None else "fast"
     engine: Engine
     if config.worker_process:
-        worker = WorkerEngine(path, shape, model.end_of_generation)
+        environment = fast_environment(library) if library is not None else None
+        worker = WorkerEngine(path, shape, model.end_of_generation, environment=environment)
         worker.start()
         engine = worker
     else:
@@ -139,8 +161,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     )
     if isinstance(engine, WorkerEngine):
         engine.on_death = scheduler.worker_died
-    problems = exactness_problems()
-    if problems:
+    if kernels == "exact" and (problems := exactness_problems()):
         log.warning(
             "this llama.cpp build lets the batch change a token's logits (%s): cut, resumed and forked greedy "
             "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
@@ -154,6 +175,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         scheduler,
         window,
         fingerprint(model, template),
+        kernels,
         sampling=config.sampling.over(model_sampling(model.metadata)),
         max_tokens=config.max_tokens,
     )

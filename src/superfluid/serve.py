@@ -63,12 +63,13 @@ async def serve(config: ServeConfig) -> int:
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
     print(
-        f"superfluid {__version__}: serving {default.id} ({default.model.path}) with {config.max_batch} lanes"
+        f"superfluid {__version__}: serving {default.id} ({default.model.path}) on {default.kernels} kernels"
+        f" with {config.max_batch} lanes"
         f" of {default.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
         flush=True,
     )
     for other in models.loaded()[1:]:
-        print(f"also serving {other.id} ({other.model.path})", flush=True)
+        print(f"also serving {other.id} ({other.model.path}) on {other.kernels} kernels", flush=True)
     if web_server is not None:
         print(f"web: {url}/web/ (token in {token_path})", flush=True)
     if api_server is not None:

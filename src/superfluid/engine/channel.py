@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +75,11 @@ class WorkerEngine:
         shape: ContextShape,
         end_of_generation: np.ndarray,
         *,
+        environment: Mapping[str, str] | None = None,
         on_death: Callable[[], None] = lambda: None,
     ) -> None:
         self.model_path = model_path
+        self.environment = dict(environment or {})  # set in the worker's environment, over the daemon's
         self.shape = shape
         self.end_of_generation = end_of_generation
         self.on_death = on_death
@@ -103,8 +105,9 @@ class WorkerEngine:
         command = [*_command(), "--fd", str(theirs.fileno()), "--model", str(self.model_path)]
         command += ["--window", str(self.shape.window), "--sequences", str(self.shape.sequences)]
         command += ["--batch", str(self.shape.batch), "--threads", str(self.shape.threads)]
+        environment = {**worker_environment(), **self.environment}
         try:
-            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=worker_environment())
+            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=environment)
         finally:
             theirs.close()
         ours.settimeout(READY_TIMEOUT_S)

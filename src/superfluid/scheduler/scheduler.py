@@ -75,7 +75,7 @@ STEP_TARGET_S = 0.15  # a step's work: what an interactive arrival may have to w
 STEP_URGENT_S = 0.08  # the same while interactive or completion work has come lately
 URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
-BATCH_DECODE_EVERY = 4  # while agents' prompts prefill, decoding agent lanes run every 4th step
+BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 
 
 def _smoothed(average: float, sample: float) -> float:
@@ -661,8 +661,8 @@ class Scheduler:
             not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable
         ):
             # batch work's first tokens first: while an agent's prompt prefills, the agents already
-            # decoding take every few steps only (a decode token costs this engine as much as a
-            # prompt token), and interactive lanes every step; a cache warm-up waits for no token
+            # decoding take every few steps only (their tokens come later, in fuller batches), and
+            # interactive lanes every step; a cache warm-up waits for no token
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))

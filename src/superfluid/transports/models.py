@@ -52,7 +52,11 @@ def router(daemon: Daemon) -> APIRouter:
             "loaded": runtime is not None,
             "default": model_id == models.default_id,
             "meta": {"n_ctx": runtime.window if runtime else models.config.max_context or None},
-            "runtime": {"id": "llamacpp", "worker_pid": runtime.worker_pid if runtime else None},
+            "runtime": {
+                "id": "llamacpp",
+                "worker_pid": runtime.worker_pid if runtime else None,
+                "kernels": runtime.kernels if runtime else None,
+            },
         }
 
     def known(name: str | None) -> str | Response:
