@@ -217,7 +217,7 @@ class ContextShape:
     sequences: int
     batch: int
     threads: int
-    flash_attention: bool = False  # bench/exactness.py --flash-attn shows why it stays off
+    flash_attention: bool = False  # off: bench/exactness.py --flash-attn and the engine bench say why
 
     @property
     def pool_tokens(self) -> int:
