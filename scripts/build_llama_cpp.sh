@@ -13,9 +13,14 @@ if [ ! -d "$source_dir" ]; then
     "$pip" download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$builds/src"
     tar -xzf "$builds/src/llama_cpp_python-$version.tar.gz" -C "$builds/src"
 fi
+cmake=$(command -v cmake || true)
+if [ -z "$cmake" ]; then  # no system cmake: PyPI's, in the virtual environment
+    "$pip" install --quiet cmake
+    cmake="$(dirname "$pip")/cmake"
+fi
 echo "building $* ($name: $cmake_args) in $builds/$name, once"
-eval cmake -S "$source_dir" -B "$builds/$name" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+eval "$cmake" -S "$source_dir" -B "$builds/$name" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF "$cmake_args" >"$builds/$name.cmake.log" 2>&1 ||
     { tail -20 "$builds/$name.cmake.log"; exit 1; }
-cmake --build "$builds/$name" -j "$(nproc)" --target "$@" >"$builds/$name.build.log" 2>&1 ||
+"$cmake" --build "$builds/$name" -j "$(nproc)" --target "$@" >"$builds/$name.build.log" 2>&1 ||
     { tail -20 "$builds/$name.build.log"; exit 1; }
