@@ -1,7 +1,9 @@
-"""The session store: commits are durable and replay rebuilds exactly the same state."""
+"""The session store: commits are durable, and a session loaded when first used is the
+state a replay of the whole log in commit order gives."""
 
 from __future__ import annotations
 
+import random
 import sqlite3
 from pathlib import Path
 
@@ -9,18 +11,54 @@ import pytest
 
 from superfluid.protocol.schema import EventBody, EventMsg, GenParams, PurgeMode
 from superfluid.protocol.wal import MAGIC, WalCorrupt, encode_record, read_log
-from superfluid.store.log import StoreLocked
+from superfluid.store.log import SessionLog, StoreLocked
 from superfluid.store.sessions import SessionStore
+from superfluid.store.state import SessionState, SessionTable
 
 B = EventBody
 P = GenParams(0.7, 0.95, 0.0, 20, 5)
 
 
+def view(s: SessionState) -> tuple:
+    return (
+        s.parent,
+        s.base,
+        s.params,
+        s.epoch,
+        s.events,
+        s.tokens,
+        s.last_finish,
+        s.purged,
+        s.meta_version,
+        s.title,
+        s.archived,
+        s.children,
+        s.qos_class,
+        s.batch_invariant,
+        s.pin_deadline_unix_ms,
+        s.open_calls,
+        s.rerooted,
+        s.generation,
+    )
+
+
 def snapshot(store: SessionStore) -> dict:
-    return {
-        sid: (s.parent, s.base, s.params, s.epoch, s.events, s.tokens, s.last_finish, s.purged, s.meta_version, s.title)
-        for sid, s in store.table.sessions.items()
-    }
+    """Every session of the store, each loaded (and fenced) as a daemon would."""
+    return {s.id: view(s) for s in [*store.live(), *(s for s in store.table.sessions.values() if s.purged)]}
+
+
+def replayed(directory: Path) -> dict:
+    """Every session as one replay of the whole log, in commit order, makes it."""
+    log, table = SessionLog(directory), SessionTable()
+    for record in log.replay():
+        table.apply(record.session, record.event)
+    log.close()
+    return {sid: view(s) for sid, s in table.sessions.items()}
+
+
+def kinds(state: SessionState | None) -> list[str]:
+    assert state is not None
+    return [type(e.body).__name__ for e in state.events]
 
 
 def test_commit_then_replay_gives_the_same_state(tmp_path: Path) -> None:
@@ -33,20 +71,99 @@ def test_commit_then_replay_gives_the_same_state(tmp_path: Path) -> None:
     store.commit([(b, B.Forked(a, 2, P))])
     store.commit([(b, B.Message(1, "more", [20]))])
     store.commit([(a, B.MetaUpdated(1, "title", None))])
-    before = snapshot(store)
     store.close()
 
     again = SessionStore(tmp_path)
-    assert snapshot(again) == before
     fork = again.get(b)
-    assert fork is not None
-    # the fork holds the parent's events 0..1 by reference, then its own Forked at id 2
-    assert [e.event_id for e in fork.events] == [0, 1, 2, 3]
-    assert fork.events[:2] == again.get(a).events[:2]  # type: ignore[union-attr]
-    assert isinstance(fork.events[2].body, B.Forked)
+    assert fork is not None and set(again.table.sessions) == {b}, "a session is loaded when first used"
+    # the fork holds the parent's events 0..1 by reference, then its own Forked at id 2, then
+    # the EpochBump that fences the run before
+    assert [e.event_id for e in fork.events] == [0, 1, 2, 3, 4] and kinds(fork)[2:] == [
+        "Forked",
+        "Message",
+        "EpochBump",
+    ]
     assert fork.tokens == [10, 11, 20]
-    assert again.get(a).tokens == [10, 11, 12, 13, 14]  # type: ignore[union-attr]
+    assert fork.events[:2] == again.get(a).events[:2]  # type: ignore[union-attr]
+    assert again.get(a).tokens == [10, 11, 12, 13, 14] and again.get(a).children == [b]  # type: ignore[union-attr]
+    lazy = snapshot(again)
     again.close()
+    assert lazy == replayed(tmp_path)
+
+
+def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(tmp_path: Path) -> None:
+    """Forks of forks, rebases, purges of both kinds, reroots, pins and QoS, in a random order."""
+    rng = random.Random(7)
+    store = SessionStore(tmp_path)
+    for _ in range(400):
+        live = [s for s in store.live() if not s.purged]
+        action = rng.choice(["create", "fork", "rebase", "append", "append", "meta", "qos", "pin", "purge"])
+        if action == "create" or not live:
+            sid = store.reserve_id()
+            store.commit([(sid, B.Created(None, P)), (sid, B.Message(1, "hi", [rng.randrange(100)]))])
+            continue
+        s = rng.choice(live)
+        if action in ("fork", "rebase"):
+            child, at = store.reserve_id(), rng.randrange(1, len(s.events) + 1)
+            body = B.Forked(s.id, at, P) if action == "fork" else B.Rebased(s.id, at, P, [])
+            store.commit([(child, body), (child, B.Appended(None, [rng.randrange(100)]))])
+        elif action == "append":
+            store.commit([(s.id, B.Appended(None, [rng.randrange(100)]))])
+        elif action == "meta":
+            store.commit([(s.id, B.MetaUpdated(s.meta_version + 1, f"t{rng.randrange(9)}", rng.random() < 0.3))])
+        elif action == "qos":
+            store.commit([(s.id, B.QosSet(rng.randrange(4), rng.random() < 0.5))])
+        elif action == "pin":
+            store.commit([(s.id, B.Pinned(rng.choice([0, 4102444800000])))])
+        else:
+            cascade = rng.random() < 0.5
+            mode = PurgeMode.Cascade() if cascade else PurgeMode.Reroot()
+            writes: list[tuple[int, EventBody]] = []
+            targets = [s.id]
+            if cascade:
+                stack = list(s.children)
+                while stack:
+                    child = store.get(stack.pop())
+                    if child is not None and not child.purged:
+                        targets.append(child.id)
+                        stack += child.children
+            else:
+                for child_id in s.children:
+                    child = store.get(child_id)
+                    if child is not None and not child.purged:
+                        writes.append(
+                            (child_id, B.Rerooted(s.id, [(e.event_id, e.body) for e in child.events[: child.base]]))
+                        )
+            writes += [(t, B.Purged(store.get(t).generation + 1, mode)) for t in targets]  # type: ignore[union-attr]
+            store.commit(writes)
+        if rng.random() < 0.03:  # a restart now and then: what was in memory is read again, lazily
+            store.close()
+            store = SessionStore(tmp_path)
+    store.close()
+    again = SessionStore(tmp_path)
+    pins = {s.id for s in again.pinned()}
+    lazy = snapshot(again)
+    assert pins == {sid for sid, v in lazy.items() if v[14] and not v[7]}
+    count = again.count()
+    again.close()
+    assert lazy == replayed(tmp_path) and count == len(lazy) > 50
+
+
+def test_a_log_of_schema_version_1_gets_its_lineage_rebuilt(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path)
+    a, b, c = store.reserve_id(), store.reserve_id(), store.reserve_id()
+    store.commit([(a, B.Created(None, P)), (a, B.Message(1, "hi", [1, 2])), (a, B.Pinned(4102444800000))])
+    store.commit([(b, B.Forked(a, 1, P)), (c, B.Forked(a, 2, P))])
+    store.commit([(c, B.Rerooted(a, [])), (b, B.Pinned(4102444800000)), (b, B.Pinned(0))])
+    store.close()
+    db = sqlite3.connect(tmp_path / "sessions.db")
+    db.executescript("DROP TABLE lineage; PRAGMA user_version = 1;")
+    db.close()
+    again = SessionStore(tmp_path)
+    assert again.log.children_of(a) == [b] and again.log.sessions() == [a, b, c]
+    assert [s.id for s in again.pinned()] == [a]
+    again.close()
+    assert sqlite3.connect(tmp_path / "sessions.db").execute("PRAGMA user_version").fetchone()[0] == 2
 
 
 def test_forked_records_are_not_copied_into_the_log(tmp_path: Path) -> None:
@@ -65,15 +182,18 @@ def test_epoch_bump_fences_every_live_session(tmp_path: Path) -> None:
     a, b = store.reserve_id(), store.reserve_id()
     store.commit([(a, B.Created(None, P)), (b, B.Created(None, P))])
     store.commit([(b, B.Purged(1, PurgeMode.Cascade()))])
-    assert store.bump_epochs() == 1
-    store.commit([(a, B.Appended(None, [1]))])
     store.close()
     again = SessionStore(tmp_path)
-    events = again.get(a).events  # type: ignore[union-attr]
-    assert [type(e.body).__name__ for e in events] == ["Created", "EpochBump", "Appended"]
-    assert [e.epoch for e in events] == [1, 2, 2]
-    assert again.get(b).purged and again.get(b).events == []  # type: ignore[union-attr]
+    assert again.fenced == 0, "nothing is read at open"
+    assert again.get(b).purged and again.get(b).events == [] and again.fenced == 0  # type: ignore[union-attr]
+    assert kinds(again.get(a)) == ["Created", "EpochBump"] and again.fenced == 1
+    again.commit([(a, B.Appended(None, [1]))])
+    assert [e.epoch for e in again.get(a).events] == [1, 2, 2]  # type: ignore[union-attr]
     again.close()
+    third = SessionStore(tmp_path)
+    assert kinds(third.get(a)) == ["Created", "EpochBump", "Appended", "EpochBump"]
+    assert third.get(a).epoch == 3  # type: ignore[union-attr]
+    third.close()
 
 
 def test_session_ids_are_never_reused(tmp_path: Path) -> None:
@@ -120,7 +240,7 @@ def test_a_reference_wal_log_is_imported_once(tmp_path: Path) -> None:
     assert store.get(1).tokens == [1, 2] and store.get(2).parent == 1  # type: ignore[union-attr]
     store.close()
     again = SessionStore(tmp_path)
-    assert again.imported == 0 and len(again.get(1).events) == 3  # type: ignore[union-attr]
+    assert again.imported == 0 and kinds(again.get(1)) == ["Created", "Appended", "Appended", "EpochBump", "EpochBump"]
     again.close()
 
 

@@ -239,15 +239,15 @@ class Daemon:
         return self.runtime.scheduler
 
     def start(self) -> int:
-        """Fence the previous run (EpochBump on every live session), re-arm pins; the default model serves."""
-        bumped = self.store.bump_epochs()
-        now = now_ms()
+        """Re-arm the pins of sessions the log holds; returns how many sessions it holds.
+
+        Every other session waits in the log until it is first used (the store fences it then).
+        """
         scheduler = self.scheduler
-        for s in self.store.live():
-            if s.pin_deadline_unix_ms > now:
-                scheduler.pin(s.tokens, s.pin_deadline_unix_ms)
-                scheduler.warm(s.tokens)
-        return bumped
+        for s in self.store.pinned():
+            scheduler.pin(s.tokens, s.pin_deadline_unix_ms)
+            scheduler.warm(s.tokens)
+        return self.store.count()
 
     def stop(self) -> None:
         self.models.close()

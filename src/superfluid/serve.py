@@ -43,7 +43,7 @@ async def serve(config: ServeConfig) -> int:
         store.close()
         raise
     default = daemon.runtime
-    bumped = daemon.start()
+    known = daemon.start()
     socket_server = SocketServer(daemon, config.socket)
     await socket_server.start()
     web_server = None
@@ -65,7 +65,7 @@ async def serve(config: ServeConfig) -> int:
     print(
         f"superfluid {__version__}: serving {default.id} ({default.model.path}) on {default.kernels} kernels"
         f" with {config.max_batch} lanes"
-        f" of {default.window} tokens; sessions {config.sessions} ({bumped} resumed); socket {config.socket}",
+        f" of {default.window} tokens; sessions {config.sessions} ({known} in the log); socket {config.socket}",
         flush=True,
     )
     for other in models.loaded()[1:]:

@@ -1,10 +1,16 @@
 """The durable session log: every committed event of every session, in SQLite.
 
 One table, `events`, holds the records in commit order (`seq`); everything else the
-daemon knows about a session is replayed from it. The database runs in WAL mode with
-`synchronous=FULL`, so a transaction is on disk (fsynced) when `append` returns, and
-the caller publishes events only after that. Bodies are stored as the JSON form of
-`EventBody`, so `sqlite3 sessions.db 'select * from events'` reads like the protocol.
+daemon knows about a session is replayed from it, one session at a time when it is first
+used. `lineage` is a view of the log kept in the same transactions, so a start-up does
+not read the log: each session's parent (NULL for a root, or once rerooted) and pin
+deadline, to find a session's children and the pins to re-arm. It can always be rebuilt
+from `events` (`rebuild_lineage`, which the upgrade from schema version 1 runs).
+
+The database runs in WAL mode with `synchronous=FULL`, so a transaction is on disk
+(fsynced) when `append` returns, and the caller publishes events only after that. Bodies
+are stored as the JSON form of `EventBody`, so `sqlite3 sessions.db 'select * from
+events'` reads like the protocol.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from pathlib import Path
 from ..protocol import jsoncodec
 from ..protocol.schema import EventBody, EventMsg
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added `lineage`
+B = EventBody
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -36,7 +43,15 @@ CREATE TABLE IF NOT EXISTS store (
     key   TEXT PRIMARY KEY,
     value BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS lineage (
+    session              INTEGER PRIMARY KEY,
+    parent               INTEGER,
+    pin_deadline_unix_ms INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS lineage_parent ON lineage (parent);
 """
+# the records that move `lineage`, as their bodies' JSON begins
+_LINEAGE_KINDS = ("Created", "Forked", "Rebased", "Rerooted", "Pinned", "Purged")
 
 
 class StoreLocked(RuntimeError):
@@ -63,12 +78,14 @@ class SessionLog:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version > SCHEMA_VERSION:
             raise RuntimeError(
-                f"{self.path} has schema version {version}; this superfluid reads version "
+                f"{self.path} has schema version {version}; this superfluid reads versions up to "
                 f"{SCHEMA_VERSION}. Move the directory aside or use a newer superfluid."
             )
         self._db.executescript(_SCHEMA)
+        if version == 1:
+            self.rebuild_lineage()
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self.store_id = self._store_id()
 
@@ -85,9 +102,61 @@ class SessionLog:
 
     def replay(self) -> Iterator[Record]:
         """Every record in commit order."""
-        cursor = self._db.execute("SELECT session, event_id, epoch, ts_unix_ms, body FROM events ORDER BY seq")
-        for session, event_id, epoch, ts, body in cursor:
-            yield Record(session, EventMsg(event_id, epoch, ts, jsoncodec.loads(body, EventBody)))
+        yield from self._records("SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events ORDER BY seq")
+
+    def records_of(self, session: int, before: int | None = None) -> list[tuple[int, Record]]:
+        """One session's records in commit order, with their `seq`; only those before `before` if given."""
+        query = "SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events WHERE session = ?"
+        if before is None:
+            return list(self._sequenced(query + " ORDER BY event_id", session))
+        return list(self._sequenced(query + " AND seq < ? ORDER BY event_id", session, before))
+
+    def _records(self, query: str, *params: object) -> Iterator[Record]:
+        for _, record in self._sequenced(query, *params):
+            yield record
+
+    def _sequenced(self, query: str, *params: object) -> Iterator[tuple[int, Record]]:
+        for session, event_id, epoch, ts, body, seq in self._db.execute(query, params):
+            yield seq, Record(session, EventMsg(event_id, epoch, ts, jsoncodec.loads(body, EventBody)))
+
+    def last_session(self) -> int:
+        """The highest session id the log holds, 0 when it holds none."""
+        return self._db.execute("SELECT coalesce(max(session), 0) FROM events").fetchone()[0]
+
+    def session_count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM lineage").fetchone()[0]
+
+    def sessions(self) -> list[int]:
+        """Every session's id, purged ones included, in id order."""
+        return [row[0] for row in self._db.execute("SELECT session FROM lineage ORDER BY session")]
+
+    def children_of(self, session: int) -> list[int]:
+        """Sessions started from `session` (created or forked with it as parent) and not rerooted since."""
+        rows = self._db.execute("SELECT session FROM lineage WHERE parent = ? ORDER BY session", (session,))
+        return [row[0] for row in rows]
+
+    def pinned(self, after_unix_ms: int) -> list[int]:
+        """Sessions pinned until later than `after_unix_ms`."""
+        rows = self._db.execute(
+            "SELECT session FROM lineage WHERE pin_deadline_unix_ms > ? ORDER BY session", (after_unix_ms,)
+        )
+        return [row[0] for row in rows]
+
+    def rebuild_lineage(self) -> None:
+        """Derive `lineage` again from the records that move it."""
+        like = " OR ".join("body LIKE ?" for _ in _LINEAGE_KINDS)
+        query = f"SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events WHERE {like} ORDER BY seq"
+        records = list(self._records(query, *(f'{{"{kind}":%' for kind in _LINEAGE_KINDS)))
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("DELETE FROM lineage")
+            for record in records:
+                _move_lineage(db, record)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def append(self, records: Sequence[Record]) -> None:
         """Write records in one transaction; durable on disk when this returns."""
@@ -103,6 +172,8 @@ class SessionLog:
             db.executemany(
                 "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (?, ?, ?, ?, ?)", rows
             )
+            for record in records:
+                _move_lineage(db, record)
         except BaseException:
             db.execute("ROLLBACK")
             raise
@@ -111,6 +182,19 @@ class SessionLog:
     def close(self) -> None:
         self._db.close()
         self._lock_file.close()
+
+
+def _move_lineage(db: sqlite3.Connection, record: Record) -> None:
+    """What one record changes in `lineage`."""
+    body, session = record.event.body, record.session
+    if isinstance(body, (B.Created, B.Forked, B.Rebased)):
+        db.execute("INSERT OR REPLACE INTO lineage (session, parent) VALUES (?, ?)", (session, body.parent))
+    elif isinstance(body, B.Rerooted):
+        db.execute("UPDATE lineage SET parent = NULL WHERE session = ?", (session,))
+    elif isinstance(body, B.Pinned):
+        db.execute("UPDATE lineage SET pin_deadline_unix_ms = ? WHERE session = ?", (body.deadline_unix_ms, session))
+    elif isinstance(body, B.Purged):
+        db.execute("UPDATE lineage SET pin_deadline_unix_ms = 0 WHERE session = ?", (session,))
 
 
 def _take_lock(path: Path, wait_s: float = 3.0) -> object:

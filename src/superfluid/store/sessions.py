@@ -1,5 +1,9 @@
 """The session store: the durable log and the state replayed from it, kept in step.
 
+Opening a store reads nothing of the log, so a daemon starts as fast on a million events
+as on none. A session is replayed from its own records when it is first used (a fork's
+beginning from its parent's records before the fork), kept in memory from then on, and
+fenced at once: a session of an earlier run gets its `EpochBump` when this run loads it.
 `commit` stamps records with their ids, epoch and time, writes them in one fsynced
 transaction, then applies them to the in-memory table: a record is in memory (and so
 visible to anyone) only once it is on disk.
@@ -29,7 +33,7 @@ def now_ms() -> int:
 
 
 class SessionStore:
-    """Durable sessions: replayed at open, extended by `commit`."""
+    """Durable sessions: each replayed from the log when first used, extended by `commit`."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -37,9 +41,8 @@ class SessionStore:
         self.table = SessionTable()
         self.lock = threading.RLock()
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
-        for record in self.log.replay():
-            self.table.apply(record.session, record.event)
-        self._reserved = self.table.next_session_id
+        self._reserved = self.log.last_session() + 1
+        self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
 
     def _import_reference_log(self, path: Path) -> int:
         """A sessions directory of the reference daemon: take its `wal.log` in, once."""
@@ -61,16 +64,66 @@ class SessionStore:
         return self.log.store_id
 
     def get(self, session_id: int) -> SessionState | None:
-        return self.table.sessions.get(session_id)
+        state = self.table.sessions.get(session_id)
+        if state is None and 0 < session_id < self._reserved:
+            with self.lock:
+                self._load([session_id])
+                state = self.table.sessions.get(session_id)
+        return state
 
     def live(self) -> list[SessionState]:
-        """Sessions not purged, in id order."""
-        return [s for _, s in sorted(self.table.sessions.items()) if not s.purged]
+        """Sessions not purged, in id order (every session of the log is loaded for it)."""
+        with self.lock:
+            self._load(self.log.sessions())
+            return [s for _, s in sorted(self.table.sessions.items()) if not s.purged]
+
+    def pinned(self) -> list[SessionState]:
+        """Live sessions whose pin has not run out."""
+        return [s for s in map(self.get, self.log.pinned(now_ms())) if s is not None and not s.purged]
+
+    def count(self) -> int:
+        """Sessions in the log, purged ones included."""
+        return self.log.session_count()
+
+    def _load(self, session_ids: Sequence[int]) -> None:
+        """Replay the sessions not in memory yet, and fence the live ones with an EpochBump, in one transaction."""
+        loaded = []
+        for session_id in session_ids:
+            if session_id not in self.table.sessions:
+                state = self._replay(session_id)
+                if state is not None:
+                    state.children = self.log.children_of(session_id)
+                    self.table.sessions[session_id] = state
+                    loaded.append(state)
+        bumps: list[tuple[int, EventBody]] = [(s.id, B.EpochBump()) for s in loaded if not s.purged]
+        self.commit(bumps)
+        self.fenced += len(bumps)
+
+    def _replay(self, session_id: int, before: int | None = None) -> SessionState | None:
+        """A session from its own records (those before `before` only, if given); None if it has none.
+
+        A fork begins with its parent's events as they stood when it was forked, so the parent
+        is replayed up to that record, whatever happened to it after (a purge, say).
+        """
+        records = self.log.records_of(session_id, before)
+        if not records:
+            return None
+        scratch = SessionTable()
+        seq, first = records[0]
+        if isinstance(first.event.body, (B.Forked, B.Rebased)):
+            parent = self._replay(first.event.body.parent, seq)
+            if parent is None:
+                raise RuntimeError(f"session {session_id} forks from session {first.event.body.parent}, not in the log")
+            scratch.sessions[parent.id] = parent
+        for _, record in records:
+            scratch.apply(session_id, record.event)
+        state = scratch.sessions[session_id]
+        return state
 
     def reserve_id(self) -> int:
         """A fresh session id for a record that starts a session (Created, Forked, Rebased)."""
         with self.lock:
-            session_id = max(self._reserved, self.table.next_session_id)
+            session_id = self._reserved
             self._reserved = session_id + 1
             return session_id
 
@@ -88,25 +141,18 @@ class SessionStore:
                 elif session_id in pending:
                     event_id, epoch = pending[session_id]
                 else:
-                    state = self.table.sessions[session_id]
+                    state = self.table.sessions.get(session_id) or self.get(session_id)
+                    if state is None:
+                        raise KeyError(f"session {session_id} is not in the log")
                     event_id, epoch = state.next_id, state.epoch
+                if isinstance(body, B.EpochBump):
+                    epoch += 1  # the run that writes it starts a new epoch of the session
                 pending[session_id] = (event_id + 1, epoch)
                 records.append(Record(session_id, EventMsg(event_id, epoch, ts, body)))
             self.log.append(records)
             for record in records:
                 self.table.apply(record.session, record.event)
             return [r.event for r in records]
-
-    def bump_epochs(self) -> int:
-        """At start: every live session gets an EpochBump, fencing the previous run."""
-        with self.lock:
-            live = self.live()
-            ts = now_ms()
-            records = [Record(s.id, EventMsg(s.next_id, s.epoch + 1, ts, B.EpochBump())) for s in live]
-            self.log.append(records)
-            for record in records:
-                self.table.apply(record.session, record.event)
-            return len(records)
 
     def close(self) -> None:
         self.log.close()

@@ -179,10 +179,6 @@ class SessionTable:
     def __init__(self) -> None:
         self.sessions: dict[int, SessionState] = {}
 
-    @property
-    def next_session_id(self) -> int:
-        return max(self.sessions, default=0) + 1
-
     def apply(self, session_id: int, event: EventMsg) -> None:
         body = event.body
         if isinstance(body, B.Created):

@@ -1,0 +1,66 @@
+"""Start-up does not grow with the log: a daemon on 10,000 sessions and a million events is
+serving as soon as one on an empty directory, and loads each session when it is first used."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+from conftest import GREEDY, DaemonProcess, new_session, say
+
+from superfluid.protocol import jsoncodec
+from superfluid.protocol.schema import EventBody, Request, Response
+from superfluid.store.log import SessionLog
+
+B = EventBody
+SESSIONS = 10_000
+EVENTS_EACH = 100
+
+
+def write_big_log(directory: Path) -> None:
+    """SESSIONS sessions of EVENTS_EACH events each, written straight into the log's tables."""
+    SessionLog(directory).close()  # the schema
+    created = jsoncodec.dumps(B.Created(None, GREEDY), EventBody)
+    message = jsoncodec.dumps(B.Message(1, "a line of an old conversation", list(range(100, 112))), EventBody)
+    db = sqlite3.connect(directory / "sessions.db")
+    db.execute("BEGIN")
+    for session in range(1, SESSIONS + 1):
+        rows = [(session, 0, 1, 1700000000000, created)]
+        rows += [(session, i, 1, 1700000000000 + i, message) for i in range(1, EVENTS_EACH)]
+        db.executemany("INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (?, ?, ?, ?, ?)", rows)
+        db.execute("INSERT INTO lineage (session, parent) VALUES (?, NULL)", (session,))
+    db.execute("COMMIT")
+    db.close()
+
+
+def started(root: Path) -> tuple[DaemonProcess, float]:
+    """A daemon on `root`, and how long it took until its socket serves."""
+    began = time.monotonic()
+    daemon = DaemonProcess(root, max_context=1024, max_batch=2).start()
+    with daemon.client() as c:
+        assert isinstance(c.call(Request.Create(None, GREEDY)), Response.Created)
+    return daemon, time.monotonic() - began
+
+
+def test_a_million_events_start_as_fast_as_none(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    write_big_log(big / "sessions")
+    (tmp_path / "empty").mkdir()
+    empty_daemon, empty = started(tmp_path / "empty")
+    empty_daemon.stop()
+    daemon, loaded = started(big)
+    try:
+        print(f"start-up to a served request: empty {empty:.2f} s, {SESSIONS} sessions {loaded:.2f} s")
+        assert loaded < 1.5 * empty + 0.5, (loaded, empty)
+        assert f"({SESSIONS} in the log)" in daemon.log.read_text()
+        with daemon.client() as c:
+            assert c.call(Request.Create(None, GREEDY)).session == SESSIONS + 2, "ids go on after the log's"
+            events = c.call(Request.Read(SESSIONS // 2, 0)).events
+            assert len(events) == EVENTS_EACH + 1 and type(events[-1].body).__name__ == "EpochBump"
+            assert events[-1].epoch == 2, "a session of an earlier run is fenced when first used"
+            session = new_session(c)
+            say(c, session, "Still here.")
+    finally:
+        daemon.stop()
