@@ -47,7 +47,6 @@ def test_a_million_events_start_as_fast_as_none(tmp_path: Path) -> None:
     big = tmp_path / "big"
     big.mkdir()
     write_big_log(big / "sessions")
-    (tmp_path / "empty").mkdir()
     empty_daemon, empty = started(tmp_path / "empty")
     empty_daemon.stop()
     daemon, loaded = started(big)

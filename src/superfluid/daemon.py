@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
+
 from .bus import END_PURGED, Bus, Subscription
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
 from .engine.llama import LlamaModel
@@ -479,13 +481,21 @@ class Daemon:
                 pin_deadline_unix_ms=s.pin_deadline_unix_ms,
                 behavior_fingerprint=s.fingerprint,
                 open_tool_calls=[(call, name, args) for call, (name, args) in s.open_calls.items()],
-                tier=Tier.Resident() if s.id in self.running else Tier.Cold(),
+                tier=self._tier(s),
                 tokens=list(s.tokens),
                 events=list(s.events),
                 wal_version=2,
                 store_id=self.store.store_id,
             )
             return Response.Inspection(inspection)
+
+    def _tier(self, s: SessionState) -> Tier:
+        """Resident while generating, Parked when the park holds a prefix of its tokens, else Cold."""
+        if s.id in self.running:
+            return Tier.Resident()
+        park = self.scheduler.park
+        found = park.lookup(np.asarray(s.tokens, dtype=np.int32), len(s.tokens)) if park and s.tokens else None
+        return Tier.Parked(found[1], 0) if found else Tier.Cold()
 
     def _set_meta(self, req: R.SetMeta) -> Response:
         with self.store.lock:

@@ -57,12 +57,19 @@ class _SchedulerCollector(Collector):
             ("prefix_holds", "held_for_prefix", "Steps a job waited for a lane prefilling its prefix"),
         ):
             yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.stats, f))
+        for name, field, doc in (
+            ("parks", "parks", "KV states written to the park"),
+            ("resumes", "resumes", "Prefixes imported back from the park"),
+            ("park_refused", "refused", "Parked files that failed a check, deleted"),
+        ):
+            yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.park, f) if s.park else 0)
         for name, doc, value in (
             ("lanes_active", "Lanes running a job", lambda s: s.stats.lanes_active),
             ("lanes_total", "Lanes (--max-batch)", lambda s: s.max_lanes),
             ("cache_entries", "Idle KV entries held for reuse", lambda s: len(s.cache)),
             ("host_cache_bytes", "Bytes of exported prefixes", lambda s: s.cache.host.bytes),
             ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.cache.host.budget),
+            ("park_bytes", "Bytes of parked KV states on disk", lambda s: s.park.bytes if s.park else 0),
             ("kv_slots", "KV slots (lanes and idle entries)", lambda s: s.engine.shape.sequences),
             ("kv_slot_tokens", "Tokens per KV slot (--max-context)", lambda s: s.engine.shape.window),
         ):

@@ -26,6 +26,7 @@ from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
 from .engine.local import Engine, LocalEngine
 from .model.resolve import ModelNotFound, resolve_model
 from .model.template import CHATML, ChatTemplate
+from .scheduler.park import Park, park_fingerprint
 from .scheduler.scheduler import Scheduler
 
 log = logging.getLogger("superfluid")
@@ -151,6 +152,10 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         engine = worker
     else:
         engine = LocalEngine(LlamaContext(model, shape))
+    park = None
+    if config.park:
+        identity = park_fingerprint(model.name, model.size, window, kernels, shape.flash_attention)
+        park = Park(config.sessions / "park" / identity.hex(), identity, int(config.park_budget_gb * (1 << 30)))
     scheduler = Scheduler(
         engine,
         lanes=config.max_batch,
@@ -158,6 +163,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         tick_ms=config.tick_ms,
         host_cache_bytes=config.host_cache_mb << 20,
         class_lanes=config.class_lanes,
+        park=park,
     )
     if isinstance(engine, WorkerEngine):
         engine.on_death = scheduler.worker_died

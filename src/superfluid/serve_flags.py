@@ -338,6 +338,20 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="host memory for prefixes evicted from the KV slots; they come back without a prefill "
         "(default: a quarter of RAM, at most 2048; 0 turns it off)",
     )
+    generation.add_argument(
+        "--park",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep idle and evicted KV states on disk under <sessions>/park, so a session comes back warm "
+        "after a restart or an eviction (default: on)",
+    )
+    generation.add_argument(
+        "--park-budget-gb",
+        type=float,
+        default=20.0,
+        metavar="GB",
+        help="disk for parked KV states, least recently used dropped first (default: 20; 0 = unbounded)",
+    )
 
     scheduling = serve.add_argument_group("scheduling")
     classes = ", ".join(sorted(QOS_ALIASES))
@@ -487,6 +501,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         http_allow_batch_invariant=args.http_allow_batch_invariant,
         worker_process=args.worker_process,
         kernels=args.kernels,
+        park=args.park,
+        park_budget_gb=max(0.0, args.park_budget_gb),
         max_tokens=args.max_tokens,
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p, args.repeat_penalty),
         class_lanes=args.class_lanes,

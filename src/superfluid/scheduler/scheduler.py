@@ -59,6 +59,7 @@ from ..protocol.schema import (
     QOS_COMPLETION,
     GenParams,
 )
+from .park import Park
 from .prefix_cache import PrefixCache, Seed, common_prefix
 
 log = logging.getLogger("superfluid.scheduler")
@@ -75,6 +76,7 @@ STEP_TARGET_S = 0.15  # a step's work: what an interactive arrival may have to w
 STEP_URGENT_S = 0.08  # the same while interactive or completion work has come lately
 URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
+PARK_AFTER_IDLE_S = 1.0  # idle this long, the scheduler parks the idle entries not parked yet
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 
 
@@ -187,6 +189,7 @@ class Scheduler:
         tick_ms: float = 50.0,
         host_cache_bytes: int = 0,
         class_lanes: dict[int, int] | None = None,
+        park: Park | None = None,
         on_tick: Callable[[], None] = lambda: None,
         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
@@ -198,6 +201,8 @@ class Scheduler:
         self.on_tick = on_tick
         self.now_ms = now_ms
         self.cache = PrefixCache(host_cache_bytes)
+        self.park = park
+        self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
         self.lanes: list[Lane] = []
         self.background_divisor = 1
@@ -231,6 +236,12 @@ class Scheduler:
         for job in waiting:
             self._finish(job, FINISH_ERROR, f"generation failed: {why}")
         self.on_tick()  # what the failed jobs leave is committed
+        if self.park is not None and not self._worker_gone:
+            try:
+                self._park_idle()
+            except EngineError as e:  # a worker that died meanwhile took its KV along
+                log.warning("parking at stop failed: %s", e)
+            self.park.flush()
 
     def queued(self) -> int:
         """Jobs waiting for a lane."""
@@ -282,8 +293,13 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
+                parked = self.park is None
                 while not self._stopping and not self.lanes and not self._queue and not self._worker_gone:
-                    self._cv.wait()
+                    if parked:
+                        self._cv.wait()
+                    elif not self._cv.wait(PARK_AFTER_IDLE_S):
+                        self._park_idle()
+                        parked = True
                 if self._stopping:
                     return
             self.stats.tick_in_flight = True
@@ -465,7 +481,12 @@ class Scheduler:
         if seed is not None and not seed.take and seed.length < MIN_COPY_TOKENS:
             seed = None  # copying a whole slot costs more than prefilling a few tokens
         hosted = self.cache.host.lookup(tokens, len(tokens) - 1)
-        if hosted is not None and hosted[1] > (seed.length if seed else 0) + EXPORT_MIN_TOKENS:
+        warm = seed.length if seed else 0
+        resumed = self._resume(tokens, max(warm, hosted[1] if hosted else 0))
+        if resumed is not None:
+            seq, length = resumed
+            source = f"{length} warm from the park"
+        elif hosted is not None and hosted[1] > warm + EXPORT_MIN_TOKENS:
             seq = self._free_seq()
             entry, length = hosted
             self.engine.restore(seq, entry.state)
@@ -562,12 +583,53 @@ class Scheduler:
     def _evict_slot(self, victim: int) -> None:
         """Empty an idle entry's slot, exporting the entry to host memory when it is worth it."""
         entry = self.cache.remove(victim)
-        if len(entry.tokens) >= EXPORT_MIN_TOKENS and self.cache.host.budget:
-            self.cache.host.add(entry.tokens, self.engine.export(victim))
-            self.stats.exports += 1
+        unparked = self.park is not None and not self.park.holds(entry.tokens)
+        if len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or unparked):
+            state = self.engine.export(victim)
+            if self.cache.host.budget:
+                self.cache.host.add(entry.tokens, state)
+                self.stats.exports += 1
+            if unparked:
+                self.park.put(entry.tokens, state)  # type: ignore[union-attr]
         self.engine.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
+
+    def _park_idle(self) -> None:
+        """Hand the idle entries not parked yet to the park (their slots keep them too)."""
+        assert self.park is not None
+        for entry in list(self.cache.entries.values()):
+            if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens):
+                self.park.put(entry.tokens, self.engine.export(entry.seq))
+
+    def _resume(self, tokens: np.ndarray, better_than: int) -> tuple[int, int] | None:
+        """A slot holding a parked prefix of `tokens` longer than `better_than` by enough to beat
+        prefilling the difference, and that prefix's length; None when no parked entry pays."""
+        if self.park is None:
+            return None
+        found = self.park.lookup(tokens, len(tokens) - 1)
+        if found is None or found[1] <= better_than + EXPORT_MIN_TOKENS:
+            return None
+        entry, length = found
+        if self._read_cost and entry.size * self._read_cost >= (length - better_than) * self._token_cost:
+            return None  # reading it would take longer than prefilling it
+        started = time.perf_counter()
+        state = self.park.read(entry)
+        if state is None:
+            return None
+        seq = self._free_seq()
+        self.engine.restore(seq, state)
+        self.engine.truncate(seq, length)
+        took = time.perf_counter() - started
+        self._read_cost = took / max(1, entry.size)
+        log.info(
+            "resumed %d tokens from the park in %.0f ms (%.0f MB/s); prefilling them would take about %.1f s",
+            length,
+            took * 1000,
+            entry.size / took / 1e6,
+            length * self._token_cost,
+        )
+        return seq, length
 
     # ---- a step ----
 

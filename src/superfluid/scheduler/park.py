@@ -1,0 +1,222 @@
+"""KV parked on disk: the third tier of the prefix cache, after the slots and host memory.
+
+A parked entry is llama.cpp's sequence state for a token prefix, in one file under
+`<sessions>/park/` named by a hash of the tokens:
+
+    magic "SFPARK1\\n" | fingerprint (16 bytes) | token count (u32) | tokens (i32 each)
+    | payload length (u64) | payload digest (blake2b, 16 bytes) | payload
+
+The fingerprint covers what gives a state its meaning (the model file, the context's
+shape, the kernels), so a file from another model or shape is never loaded. A file is
+written to a temporary name, fsynced, renamed and its directory fsynced, so a crash
+leaves either the whole file or none under its name; one that fails any check when read
+is deleted and counted. Writing runs on a thread of its own: the scheduler hands over
+bytes it already exported and never waits for the disk. Past the byte budget the least
+recently used files go first. Like the host tier, the park is a cache: the log is the
+truth, and a session with nothing parked is prefilled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .prefix_cache import common_prefix
+
+log = logging.getLogger("superfluid.park")
+
+MAGIC = b"SFPARK1\n"
+SUFFIX = ".park"
+_COUNT = struct.Struct("<I")
+_PAYLOAD = struct.Struct("<Q16s")
+
+
+def park_fingerprint(*parts: object) -> bytes:
+    """16 bytes naming what a state depends on (model identity, context shape, kernels)."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def _name(tokens: np.ndarray) -> str:
+    return hashlib.blake2b(tokens.astype("<i4").tobytes(), digest_size=16).hexdigest() + SUFFIX
+
+
+@dataclass
+class ParkedEntry:
+    """A parked file: the tokens its state covers, its size, when it was last written or read."""
+
+    path: Path
+    tokens: np.ndarray
+    size: int
+    used: float
+
+
+class Park:
+    """Parked states of one model's context, bounded by `budget` bytes (0: unbounded)."""
+
+    def __init__(self, directory: Path, fingerprint: bytes, budget: int) -> None:
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.budget = budget
+        self.entries: dict[str, ParkedEntry] = {}
+        self.parks = self.resumes = self.refused = 0
+        self._lock = threading.Lock()
+        self._writes: queue.Queue[tuple[np.ndarray, bytes] | threading.Event] = queue.Queue()
+        directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="superfluid-park", daemon=True)
+        self._writer.start()
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self.entries.values())
+
+    def _scan(self) -> None:
+        """Index the files a previous run left: headers only; leftovers of torn writes go."""
+        for path in self.directory.iterdir():
+            if path.suffix != SUFFIX:
+                path.unlink(missing_ok=True)  # a temporary file a crash interrupted
+                continue
+            tokens = self._header(path)
+            if tokens is None:
+                self._refuse(path, "its header does not match this model and context")
+                continue
+            stat = path.stat()
+            self.entries[path.name] = ParkedEntry(path, tokens, stat.st_size, stat.st_mtime)
+
+    def _header(self, path: Path) -> np.ndarray | None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC) + 16 + _COUNT.size)
+                if len(head) < len(MAGIC) + 16 + _COUNT.size or head[: len(MAGIC)] != MAGIC:
+                    return None
+                if head[len(MAGIC) : len(MAGIC) + 16] != self.fingerprint:
+                    return None
+                (count,) = _COUNT.unpack_from(head, len(MAGIC) + 16)
+                raw = f.read(4 * count)
+        except OSError:
+            return None
+        if len(raw) != 4 * count or path.name != _name(np.frombuffer(raw, dtype="<i4")):
+            return None
+        return np.frombuffer(raw, dtype="<i4").astype(np.int32)
+
+    def _refuse(self, path: Path, why: str) -> None:
+        log.warning("parked state %s refused and deleted: %s", path.name, why)
+        path.unlink(missing_ok=True)
+        self.refused += 1
+
+    # ---- writing ----
+
+    def put(self, tokens: np.ndarray, state: bytes) -> None:
+        """Park `state` (the KV of `tokens`) on the writer thread; returns at once."""
+        if _name(tokens) not in self.entries:
+            self._writes.put((np.array(tokens, dtype=np.int32), state))
+
+    def holds(self, tokens: np.ndarray) -> bool:
+        return _name(tokens) in self.entries
+
+    def flush(self) -> None:
+        """Wait until every state handed over is on disk."""
+        done = threading.Event()
+        self._writes.put(done)
+        done.wait(timeout=60)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if isinstance(item, threading.Event):
+                item.set()  # everything before it is written
+                continue
+            tokens, state = item
+            try:
+                self._write(tokens, state)
+            except OSError as e:
+                log.warning("could not park a state of %d tokens: %s", len(tokens), e)
+
+    def _write(self, tokens: np.ndarray, state: bytes) -> None:
+        name = _name(tokens)
+        path = self.directory / name
+        temporary = self.directory / f".{name}.{os.getpid()}.tmp"
+        digest = hashlib.blake2b(state, digest_size=16).digest()
+        with open(temporary, "wb") as f:
+            f.write(MAGIC + self.fingerprint + _COUNT.pack(len(tokens)) + tokens.astype("<i4").tobytes())
+            f.write(_PAYLOAD.pack(len(state), digest))
+            f.write(state)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        with self._lock:
+            self.entries[name] = ParkedEntry(path, tokens, path.stat().st_size, time.time())
+            self.parks += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        """Least recently used files go first beyond the budget."""
+        if not self.budget:
+            return
+        with self._lock:
+            total = sum(e.size for e in self.entries.values())
+            for entry in sorted(self.entries.values(), key=lambda e: e.used):
+                if total <= self.budget:
+                    break
+                del self.entries[entry.path.name]
+                entry.path.unlink(missing_ok=True)
+                total -= entry.size
+
+    # ---- reading ----
+
+    def lookup(self, tokens: np.ndarray, limit: int) -> tuple[ParkedEntry, int] | None:
+        """The parked entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
+        best: tuple[ParkedEntry, int] | None = None
+        with self._lock:
+            for entry in self.entries.values():
+                length = min(common_prefix(tokens, entry.tokens), limit)
+                if length > 0 and (best is None or length > best[1]):
+                    best = (entry, length)
+        return best
+
+    def read(self, entry: ParkedEntry) -> bytes | None:
+        """The state of a parked entry; None (the file deleted, counted) when it fails a check."""
+        try:
+            data = entry.path.read_bytes()
+        except OSError as e:
+            self._forget(entry, f"unreadable: {e}")
+            return None
+        start = len(MAGIC) + 16 + _COUNT.size + 4 * len(entry.tokens)
+        if len(data) < start + _PAYLOAD.size or data[: len(MAGIC)] != MAGIC:
+            self._forget(entry, "truncated")
+            return None
+        if data[len(MAGIC) : len(MAGIC) + 16] != self.fingerprint:
+            self._forget(entry, "written for another model or context")
+            return None
+        length, digest = _PAYLOAD.unpack_from(data, start)
+        state = data[start + _PAYLOAD.size :]
+        if len(state) != length or hashlib.blake2b(state, digest_size=16).digest() != digest:
+            self._forget(entry, "its payload fails its checksum")
+            return None
+        entry.used = time.time()
+        os.utime(entry.path)
+        self.resumes += 1
+        return state
+
+    def _forget(self, entry: ParkedEntry, why: str) -> None:
+        with self._lock:
+            self.entries.pop(entry.path.name, None)
+        self._refuse(entry.path, why)
+
+    def close(self) -> None:
+        self.flush()

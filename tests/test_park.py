@@ -1,0 +1,117 @@
+"""KV parked on disk: files that fail a check are refused and deleted, a torn write is never
+loaded, the budget drops the least recently used, and a session comes back warm after a
+SIGKILL with the very tokens a prefill gives."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from conftest import HttpDaemon, forced, generated_tokens, new_session, say
+
+from superfluid.protocol.schema import Request, Tier
+from superfluid.scheduler.park import Park, park_fingerprint
+
+FINGERPRINT = park_fingerprint("model", 1)
+TOKENS = np.arange(100, 164, dtype=np.int32)
+STATE = bytes(range(256)) * 64
+
+
+def parked(directory: Path, *tokens: np.ndarray, budget: int = 0) -> Park:
+    park = Park(directory, FINGERPRINT, budget)
+    for t in tokens or (TOKENS,):
+        park.put(t, STATE)
+    park.flush()
+    return park
+
+
+def test_a_parked_state_reads_back_and_a_prefix_finds_it(tmp_path: Path) -> None:
+    park = parked(tmp_path)
+    found = park.lookup(np.concatenate([TOKENS, [7, 8]]), 1000)
+    assert found is not None and found[1] == len(TOKENS)
+    assert park.read(found[0]) == STATE and park.resumes == 1
+    again = Park(tmp_path, FINGERPRINT, 0)  # a restart indexes what is on disk
+    found = again.lookup(TOKENS, 10)
+    assert found is not None and found[1] == 10 and again.read(found[0]) == STATE
+
+
+def test_truncated_flipped_and_foreign_files_are_refused_and_deleted(tmp_path: Path) -> None:
+    park = parked(tmp_path)
+    (entry,) = park.entries.values()
+    data = entry.path.read_bytes()
+    entry.path.write_bytes(data[:-100])
+    assert park.read(entry) is None and not entry.path.exists() and park.refused == 1
+    assert park.lookup(TOKENS, 100) is None
+
+    park = parked(tmp_path)
+    (entry,) = park.entries.values()
+    flipped = bytearray(entry.path.read_bytes())
+    flipped[-7] ^= 0x10
+    entry.path.write_bytes(bytes(flipped))
+    assert park.read(entry) is None and not entry.path.exists() and park.refused == 1
+
+    parked(tmp_path)
+    other = Park(tmp_path, park_fingerprint("another model", 1), 0)
+    assert other.entries == {} and other.refused == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_write_cut_by_a_crash_is_never_loaded(tmp_path: Path) -> None:
+    parked(tmp_path)
+    (path,) = tmp_path.iterdir()
+    torn = tmp_path / f".{path.name}.4242.tmp"  # what a SIGKILL before the rename leaves
+    torn.write_bytes(path.read_bytes()[:50])
+    path.unlink()
+    park = Park(tmp_path, FINGERPRINT, 0)
+    assert park.entries == {} and list(tmp_path.iterdir()) == []
+
+
+def test_the_least_recently_used_go_first_past_the_budget(tmp_path: Path) -> None:
+    first, second, third = (np.arange(n, n + 40, dtype=np.int32) for n in (1000, 2000, 3000))
+    park = parked(tmp_path, first, second)
+    size = next(iter(park.entries.values())).size
+    found = park.lookup(first, 40)
+    assert found is not None and park.read(found[0]) == STATE  # first is now the most recent
+    time.sleep(0.01)
+    park.budget = 2 * size
+    park.put(third, STATE)
+    park.flush()
+    assert park.holds(first) and park.holds(third) and not park.holds(second)
+    assert park.bytes == 2 * size
+
+
+def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path) -> None:
+    daemon = HttpDaemon(tmp_path / "a", max_context=2048, max_batch=2).start()
+    try:
+        with daemon.client() as c:
+            session = new_session(c)
+            say(c, session, " ".join(f"Line {i} of a long document about lighthouses." for i in range(60)))
+            forced(c, session, 4)
+            prompt = len(c.call(Request.Inspect(session)).inspection.tokens)
+        deadline = time.monotonic() + 30
+        while daemon.metric("superfluid_parks_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.metric("superfluid_parks_total") >= 1, "an idle session is parked within seconds"
+        daemon.kill()
+        shutil.copytree(tmp_path / "a" / "sessions", tmp_path / "b" / "sessions")
+        daemon.start()
+        with daemon.client() as c:
+            tier = c.call(Request.Inspect(session)).inspection.tier
+            assert isinstance(tier, Tier.Parked) and tier.covered >= 0.9 * prompt, (tier, prompt)
+            deltas, summary = forced(c, session, 12)
+            assert summary.warm_prefix >= 0.9 * prompt, (summary.warm_prefix, prompt)
+            from_park = generated_tokens(deltas)
+        assert daemon.metric("superfluid_resumes_total") == 1
+        assert "superfluid_park_bytes" in httpx.get(f"{daemon.url}/metrics").text
+    finally:
+        daemon.stop()
+    cold = HttpDaemon(tmp_path / "b", "--no-park", max_context=2048, max_batch=2).start()
+    try:
+        with cold.client() as c:
+            deltas, summary = forced(c, session, 12)
+            assert summary.warm_prefix == 0
+            assert generated_tokens(deltas) == from_park, "a resumed state decodes as a prefill does"
+    finally:
+        cold.stop()
