@@ -5,7 +5,7 @@
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http or socket
 
-Three sections, one system at a time, never two at once:
+Four sections, one system at a time, never two at once:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -16,7 +16,9 @@ Three sections, one system at a time, never two at once:
   with a chat arriving behind them;
 - socket: the session API against a bare llama.cpp loop in this process (the exact build,
   and the daemon on `--kernels exact`): decode, forks, shared prefixes, a chat behind
-  agents, memory inside its flags.
+  agents, memory inside its flags;
+- park: a 2,000-token session's next first token after a SIGKILL and after a clean stop
+  (its KV parked on disk), against a cold prefill of it.
 Performance claims in the README come from this script, not from tests.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -408,6 +411,62 @@ def engine_section(peers: Path, quick: bool, threads: int) -> tuple[list[Result]
     return results, fastest
 
 
+# ---- park: a session warm again after a restart ----
+
+PARK_SESSION = 2000
+
+
+def first_token_after_start(daemon: Superfluid, session: int) -> tuple[float, Response.Generated]:
+    """Start `daemon`, then time the first token of a 4-token generation on `session`."""
+    daemon.start()
+    with daemon.client() as c:
+        ttft, _, summary = timed_generate(c, session, 4)
+    return ttft, summary
+
+
+def park_section(root: Path, threads: int) -> list[Result]:
+    """A long session's next first token after a SIGKILL and after a clean stop, against a cold prefill."""
+    model = LlamaModel(embedded_model().path)
+    flags = ("--threads", str(threads))
+    warm = Superfluid(root / "park", 4096, 8, *flags).start()
+    with warm.client() as c:
+        session = session_with(c, prompt(model, filler(model, PARK_SESSION, 5)))
+        timed_generate(c, session, 4)
+        length = len(c.call(Request.Inspect(session)).inspection.tokens)
+        deadline = time.monotonic() + 60
+        while metric(c, "superfluid_parks_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert warm.proc is not None
+    warm.proc.kill()
+    warm.proc.wait()
+    shutil.copytree(root / "park" / "sessions", root / "cold" / "sessions")
+    killed, after_kill = first_token_after_start(warm, session)
+    warm.stop()
+    stopped, after_stop = first_token_after_start(warm, session)
+    warm.stop()
+    cold = Superfluid(root / "cold", 4096, 8, *flags, "--no-park")
+    prefill, _ = first_token_after_start(cold, session)
+    cold.stop()
+    print(
+        f"park: {length} tokens; first token after SIGKILL {killed:.3f} s, after a clean stop {stopped:.3f} s, "
+        f"cold prefill {prefill:.2f} s",
+        flush=True,
+    )
+    return [
+        Result(
+            f"{label}: first token of a {length}-token session / cold prefill",
+            seconds / prefill,
+            "<= 0.10, warm >= 90%",
+            seconds / prefill <= 0.10 and summary.warm_prefix >= 0.9 * length,
+            f"{seconds:.3f} s vs {prefill:.2f} s, warm_prefix {summary.warm_prefix}",
+        )
+        for label, seconds, summary in (
+            ("after a SIGKILL", killed, after_kill),
+            ("after a clean stop", stopped, after_stop),
+        )
+    ]
+
+
 # ---- http: superfluid and llama-server, driven alike ----
 
 AGENT_PROMPT = 1750
@@ -575,12 +634,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--peers", type=Path, help="where `make peers` built llama-server and llama-batched-bench")
-    parser.add_argument("--only", choices=["engine", "http", "socket"], help="run one section")
+    parser.add_argument("--only", choices=["engine", "http", "socket", "park"], help="run one section")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for every system")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="superfluid-bench-"))
     results: list[Result] = []
-    sections = [args.only] if args.only else ["engine", "http", "socket"]
+    sections = [args.only] if args.only else ["engine", "http", "socket", "park"]
     fastest: dict[int, float] = {}
     if "engine" in sections:
         if args.peers is None:
@@ -592,6 +651,8 @@ def main() -> int:
         results += http_section(args.peers, args.quick, args.threads, root)
     if "socket" in sections:
         results += socket_section(args.quick, root, fastest, args.threads)
+    if "park" in sections:
+        results += park_section(root, args.threads)
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1

@@ -27,6 +27,14 @@ def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path]:
     return entry["runtime"]["kernels"], paths.pop().parent.resolve()
 
 
+def serves_a_forced_length(daemon: DaemonProcess, tokens: int) -> None:
+    """A generation with end-of-generation banned yields exactly `tokens` tokens, on any kernels."""
+    with daemon.client() as c:
+        session = new_session(c)
+        say(c, session, "Count from one to twenty.")
+        forced(c, session, tokens)
+
+
 def test_a_daemon_runs_on_llama_cpps_own_build_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     library = fast_library()
     assert library is not None, "make installs llama.cpp's own build at .venv/llama-fast"
@@ -36,10 +44,7 @@ def test_a_daemon_runs_on_llama_cpps_own_build_by_default(tmp_path: Path, monkey
         assert "on fast kernels" in daemon.log.read_text()
         kernels, loaded = loaded_libllama(daemon)
         assert (kernels, loaded) == ("fast", library.resolve())
-        with daemon.client() as c:
-            session = new_session(c)
-            say(c, session, "Count from one to twenty.")
-            forced(c, session, 24)
+        serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
 
@@ -70,9 +75,6 @@ def test_without_the_fast_build_a_daemon_says_so_and_runs_exact(
     try:
         log = daemon.log.read_text()
         assert said in log and "on exact kernels" in log
-        with daemon.client() as c:
-            session = new_session(c)
-            say(c, session, "Say something.")
-            forced(c, session, 8)
+        serves_a_forced_length(daemon, 8)
     finally:
         daemon.stop()

@@ -20,6 +20,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,16 +148,10 @@ class SessionLog:
         like = " OR ".join("body LIKE ?" for _ in _LINEAGE_KINDS)
         query = f"SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events WHERE {like} ORDER BY seq"
         records = list(self._records(query, *(f'{{"{kind}":%' for kind in _LINEAGE_KINDS)))
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             db.execute("DELETE FROM lineage")
             for record in records:
                 _move_lineage(db, record)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     def append(self, records: Sequence[Record]) -> None:
         """Write records in one transaction; durable on disk when this returns."""
@@ -166,14 +161,20 @@ class SessionLog:
             (r.session, r.event.event_id, r.event.epoch, r.event.ts_unix_ms, jsoncodec.dumps(r.event.body, EventBody))
             for r in records
         ]
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             db.executemany(
                 "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (?, ?, ?, ?, ?)", rows
             )
             for record in records:
                 _move_lineage(db, record)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed (fsynced) when the block ends, rolled back if it raises."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
         except BaseException:
             db.execute("ROLLBACK")
             raise
