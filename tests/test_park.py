@@ -14,6 +14,7 @@ from conftest import HttpDaemon, forced, generated_tokens, new_session, say
 
 from superfluid.protocol.schema import Request, Tier
 from superfluid.scheduler.park import Park, park_fingerprint
+from superfluid.scheduler.prefix_cache import HostCache
 
 FINGERPRINT = park_fingerprint("model", 1)
 TOKENS = np.arange(100, 164, dtype=np.int32)
@@ -115,3 +116,17 @@ def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path)
             assert generated_tokens(deltas) == from_park, "a resumed state decodes as a prefill does"
     finally:
         cold.stop()
+
+
+def test_what_host_memory_cannot_keep_goes_to_the_park(tmp_path: Path) -> None:
+    park = Park(tmp_path, FINGERPRINT, 0)
+    host = HostCache(2 * len(STATE), park.put)
+    first, second, third = (np.arange(n, n + 40, dtype=np.int32) for n in (1000, 2000, 3000))
+    host.add(first, STATE)
+    host.add(second, STATE)
+    host.add(np.concatenate([second, [5]]), STATE)  # extends `second`: that one is not parked, it is covered
+    park.flush()
+    assert park.entries == {}
+    host.add(third, STATE)  # over the budget: the least recently used, `first`, goes to the park
+    park.flush()
+    assert park.holds(first) and not park.holds(second) and len(host) == 2

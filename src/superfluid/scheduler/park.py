@@ -18,6 +18,7 @@ truth, and a session with nothing parked is prefilled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -131,6 +132,9 @@ class Park:
         done.wait(timeout=60)
 
     def _write_loop(self) -> None:
+        # the lowest priority: digests and writes take what llama.cpp's threads leave
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             item = self._writes.get()
             if isinstance(item, threading.Event):

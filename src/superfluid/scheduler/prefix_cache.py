@@ -5,7 +5,8 @@ lane's prompt-so-far, or an idle entry left behind by a finished job. `PrefixCac
 finds the longest prefix of a new job's tokens held anywhere, so the job starts from a
 copy of it instead of a prefill. When a slot is needed, the least valuable idle entry
 (unpinned before pinned, least recently used first) is exported to host memory
-(`HostCache`, bounded in bytes) and imported again when a later job can use it.
+(`HostCache`, bounded in bytes) and imported again when a later job can use it; what
+host memory cannot keep goes to the park (`park.py`), if there is one.
 Pins (`Pin` on a session) keep matching entries in their slots until they expire.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,16 +64,21 @@ class HostEntry:
 
 
 class HostCache:
-    """Exported prefixes in host memory, least recently used dropped first beyond `budget` bytes."""
+    """Exported prefixes in host memory, least recently used dropped first beyond `budget` bytes.
 
-    def __init__(self, budget: int) -> None:
+    `on_drop` receives what the budget pushes out (the park takes it), never an entry that a
+    newer export extends."""
+
+    def __init__(self, budget: int, on_drop: Callable[[np.ndarray, bytes], None] = lambda tokens, state: None) -> None:
         self.budget = budget
+        self.on_drop = on_drop
         self.entries: OrderedDict[int, HostEntry] = OrderedDict()
         self.bytes = 0
         self._ids = 0
 
     def add(self, tokens: np.ndarray, state: bytes) -> None:
         if len(state) > self.budget:
+            self.on_drop(tokens, state)
             return
         for key, entry in list(self.entries.items()):
             if common_prefix(entry.tokens, tokens) == len(entry.tokens):
@@ -80,7 +87,9 @@ class HostCache:
         self.entries[self._ids] = HostEntry(tokens, state)
         self.bytes += len(state)
         while self.bytes > self.budget:
+            dropped = self.entries[next(iter(self.entries))]
             self._drop(next(iter(self.entries)))
+            self.on_drop(dropped.tokens, dropped.state)
 
     def lookup(self, tokens: np.ndarray, limit: int) -> tuple[HostEntry, int] | None:
         """The entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
@@ -104,9 +113,11 @@ class HostCache:
 class PrefixCache:
     """Idle KV entries by slot, the host tier behind them, and the pins that protect them."""
 
-    def __init__(self, host_budget: int = 0) -> None:
+    def __init__(
+        self, host_budget: int = 0, on_host_drop: Callable[[np.ndarray, bytes], None] = lambda tokens, state: None
+    ) -> None:
         self.entries: dict[int, CacheEntry] = {}
-        self.host = HostCache(host_budget)
+        self.host = HostCache(host_budget, on_host_drop)
         self.pins: list[tuple[np.ndarray, int]] = []
 
     def __len__(self) -> int:

@@ -76,7 +76,7 @@ STEP_TARGET_S = 0.15  # a step's work: what an interactive arrival may have to w
 STEP_URGENT_S = 0.08  # the same while interactive or completion work has come lately
 URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
-PARK_AFTER_IDLE_S = 1.0  # idle this long, the scheduler parks the idle entries not parked yet
+PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 
 
@@ -200,8 +200,8 @@ class Scheduler:
         self.tick_s = tick_ms / 1000.0
         self.on_tick = on_tick
         self.now_ms = now_ms
-        self.cache = PrefixCache(host_cache_bytes)
         self.park = park
+        self.cache = PrefixCache(host_cache_bytes, park.put if park is not None else lambda tokens, state: None)
         self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
         self.lanes: list[Lane] = []
@@ -291,17 +291,23 @@ class Scheduler:
             self._cv.notify()
 
     def _run(self) -> None:
+        parked = False  # the idle entries were parked since the last tick
         while True:
+            park_now = False
             with self._cv:
-                parked = self.park is None
                 while not self._stopping and not self.lanes and not self._queue and not self._worker_gone:
-                    if parked:
+                    if self.park is None or parked:
                         self._cv.wait()
                     elif not self._cv.wait(PARK_AFTER_IDLE_S):
-                        self._park_idle()
-                        parked = True
+                        park_now = True  # outside the lock: a submit must not wait for the exports
+                        break
                 if self._stopping:
                     return
+            if park_now:
+                self._park_idle()
+                parked = True
+                continue
+            parked = False
             self.stats.tick_in_flight = True
             try:
                 if self._worker_gone:
@@ -583,24 +589,22 @@ class Scheduler:
     def _evict_slot(self, victim: int) -> None:
         """Empty an idle entry's slot, exporting the entry to host memory when it is worth it."""
         entry = self.cache.remove(victim)
-        unparked = self.park is not None and not self.park.holds(entry.tokens)
-        if len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or unparked):
-            state = self.engine.export(victim)
-            if self.cache.host.budget:
-                self.cache.host.add(entry.tokens, state)
-                self.stats.exports += 1
-            if unparked:
-                self.park.put(entry.tokens, state)  # type: ignore[union-attr]
+        if len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None):
+            # host memory first; the park takes what it cannot keep, on its own thread
+            self.cache.host.add(entry.tokens, self.engine.export(victim))
+            self.stats.exports += bool(self.cache.host.budget)
         self.engine.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
 
     def _park_idle(self) -> None:
-        """Hand the idle entries not parked yet to the park (their slots keep them too)."""
+        """Hand the idle entries and host memory's not parked yet to the park (where they are keeps them too)."""
         assert self.park is not None
         for entry in list(self.cache.entries.values()):
             if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens):
                 self.park.put(entry.tokens, self.engine.export(entry.seq))
+        for hosted in list(self.cache.host.entries.values()):
+            self.park.put(hosted.tokens, hosted.state)
 
     def _resume(self, tokens: np.ndarray, better_than: int) -> tuple[int, int] | None:
         """A slot holding a parked prefix of `tokens` longer than `better_than` by enough to beat
