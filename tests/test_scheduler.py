@@ -117,6 +117,14 @@ def started(
     return job, sink
 
 
+def decoding(scheduler: Scheduler, prompt: list[int], qos: int = 2) -> tuple[Job, int]:
+    """A long job started and decoding, and the slot it decodes on."""
+    job, sink = started(scheduler, prompt, 3000, qos=qos)
+    while len(sink.out) < 3:
+        time.sleep(0.001)
+    return job, next(lane.seq for lane in scheduler.lanes if lane.job is job)
+
+
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
     shared = list(range(100, 140))
     alone = Scheduler(FakeContext(sequences=4), lanes=1, window=256)
@@ -316,11 +324,8 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
     scheduler = Scheduler(context, lanes=3, window=4096)
     scheduler.start()
     try:
-        agent, agent_out = started(scheduler, [5, 6, 7], 3000)
-        chat, chat_out = started(scheduler, [8, 9], 3000, qos=0)
-        while len(agent_out.out) < 3 or len(chat_out.out) < 3:
-            time.sleep(0.001)
-        seqs = {job: lane.seq for lane in scheduler.lanes for job in (agent, chat) if lane.job is job}
+        agent, agent_seq = decoding(scheduler, [5, 6, 7])
+        chat, chat_seq = decoding(scheduler, [8, 9], qos=0)
         since = len(context.batches)
         long_prompt, long_out = started(scheduler, list(range(100, 1300)), 2)
         while not long_out.out:
@@ -328,8 +333,8 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
         long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is long_prompt)
         prefilling = [batch for batch in context.batches[since:] if long_seq in batch]
         assert len(prefilling) >= 16, "the prompt took several steps to prefill"
-        assert all(seqs[chat] in batch for batch in prefilling), "an interactive lane decodes every step"
-        agent_steps = sum(seqs[agent] in batch for batch in prefilling)
+        assert all(chat_seq in batch for batch in prefilling), "an interactive lane decodes every step"
+        agent_steps = sum(agent_seq in batch for batch in prefilling)
         assert 0 < agent_steps <= len(prefilling) // BATCH_DECODE_EVERY + 1, (agent_steps, len(prefilling))
         scheduler.cancel(agent)
         scheduler.cancel(chat)
@@ -342,10 +347,7 @@ def test_a_cache_warm_up_does_not_slow_decoding_agents() -> None:
     scheduler = Scheduler(context, lanes=2, window=4096)
     scheduler.start()
     try:
-        agent, agent_out = started(scheduler, [5, 6, 7], 3000)
-        while len(agent_out.out) < 3:
-            time.sleep(0.001)
-        agent_seq = next(lane.seq for lane in scheduler.lanes if lane.job is agent)
+        agent, agent_seq = decoding(scheduler, [5, 6, 7])
         since = len(context.batches)
         _warm, warmed = started(scheduler, list(range(100, 1300)), 0, prefill_only=True)
         assert warmed.done.wait(30)

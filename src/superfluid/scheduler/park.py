@@ -221,6 +221,3 @@ class Park:
         with self._lock:
             self.entries.pop(entry.path.name, None)
         self._refuse(entry.path, why)
-
-    def close(self) -> None:
-        self.flush()

@@ -493,10 +493,8 @@ class Scheduler:
             seq, length = resumed
             source = f"{length} warm from the park"
         elif hosted is not None and hosted[1] > warm + EXPORT_MIN_TOKENS:
-            seq = self._free_seq()
             entry, length = hosted
-            self.engine.restore(seq, entry.state)
-            self.engine.truncate(seq, length)
+            seq = self._import(entry.state, length)
             self.stats.imports += 1
             source = f"{length} warm from host memory"
         else:
@@ -592,10 +590,18 @@ class Scheduler:
         if len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None):
             # host memory first; the park takes what it cannot keep, on its own thread
             self.cache.host.add(entry.tokens, self.engine.export(victim))
-            self.stats.exports += bool(self.cache.host.budget)
+            if self.cache.host.budget:
+                self.stats.exports += 1
         self.engine.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
+
+    def _import(self, state: bytes, length: int) -> int:
+        """A free slot holding the first `length` tokens of an exported state."""
+        seq = self._free_seq()
+        self.engine.restore(seq, state)
+        self.engine.truncate(seq, length)
+        return seq
 
     def _park_idle(self) -> None:
         """Hand the idle entries and host memory's not parked yet to the park (where they are keeps them too)."""
@@ -621,9 +627,7 @@ class Scheduler:
         state = self.park.read(entry)
         if state is None:
             return None
-        seq = self._free_seq()
-        self.engine.restore(seq, state)
-        self.engine.truncate(seq, length)
+        seq = self._import(state, length)
         took = time.perf_counter() - started
         self._read_cost = took / max(1, entry.size)
         log.info(

@@ -117,8 +117,7 @@ class SessionStore:
             scratch.sessions[parent.id] = parent
         for _, record in records:
             scratch.apply(session_id, record.event)
-        state = scratch.sessions[session_id]
-        return state
+        return scratch.sessions[session_id]
 
     def reserve_id(self) -> int:
         """A fresh session id for a record that starts a session (Created, Forked, Rebased)."""
