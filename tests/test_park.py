@@ -1,19 +1,23 @@
 """KV parked on disk: files that fail a check are refused and deleted, a torn write is never
 loaded, the budget drops the least recently used, and a session comes back warm after a
-SIGKILL with the very tokens a prefill gives."""
+SIGKILL with the very tokens a prefill gives; the default parks only on a local disk with room."""
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
+import pytest
 from conftest import HttpDaemon, forced, generated_tokens, new_session, say
 
 from superfluid.protocol.schema import Request, Tier
-from superfluid.scheduler.park import Park, park_fingerprint
+from superfluid.scheduler import park as park_module
+from superfluid.scheduler.park import Park, default_budget, filesystem_type, park_fingerprint
 from superfluid.scheduler.prefix_cache import HostCache
 
 FINGERPRINT = park_fingerprint("model", 1)
@@ -56,6 +60,7 @@ def test_truncated_flipped_and_foreign_files_are_refused_and_deleted(tmp_path: P
 
     parked(tmp_path)
     other = Park(tmp_path, park_fingerprint("another model", 1), 0)
+    other.flush()  # the files a restart finds are indexed on the writer thread
     assert other.entries == {} and other.refused == 1 and list(tmp_path.iterdir()) == []
 
 
@@ -66,6 +71,7 @@ def test_a_write_cut_by_a_crash_is_never_loaded(tmp_path: Path) -> None:
     torn.write_bytes(path.read_bytes()[:50])
     path.unlink()
     park = Park(tmp_path, FINGERPRINT, 0)
+    park.flush()
     assert park.entries == {} and list(tmp_path.iterdir()) == []
 
 
@@ -130,3 +136,29 @@ def test_what_host_memory_cannot_keep_goes_to_the_park(tmp_path: Path) -> None:
     host.add(third, STATE)  # over the budget: the least recently used, `first`, goes to the park
     park.flush()
     assert park.holds(first) and not park.holds(second) and len(host) == 2
+
+
+def test_the_default_parks_on_a_local_disk_with_room_and_within_half_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert filesystem_type(Path("/proc/self")) == "proc"
+    free = shutil.disk_usage(tmp_path).free
+    if free >= park_module.MIN_FREE_BYTES:
+        budget, why = default_budget(tmp_path / "park" / "abc", 1 << 30)  # not created yet: its parent counts
+        assert budget == min(1 << 30, free // 2) and why
+    gib = 1 << 30
+
+    def usage(free: int) -> Callable[[Path], SimpleNamespace]:
+        return lambda _path: SimpleNamespace(free=free)
+
+    monkeypatch.setattr(park_module.shutil, "disk_usage", usage(10 * gib))
+    assert default_budget(tmp_path, 20 * gib)[0] == 5 * gib  # never more than half of what is free
+    assert default_budget(tmp_path, 0)[0] == 5 * gib  # "unbounded" is bounded by the disk too
+    assert default_budget(tmp_path, 1 * gib)[0] == 1 * gib
+    monkeypatch.setattr(park_module.shutil, "disk_usage", usage(gib))
+    budget, why = default_budget(tmp_path, 20 * gib)
+    assert budget == 0 and "free" in why
+    monkeypatch.setattr(park_module.shutil, "disk_usage", usage(10 * gib))
+    monkeypatch.setattr(park_module, "filesystem_type", lambda _path: "nfs4")
+    budget, why = default_budget(tmp_path, 20 * gib)
+    assert budget == 0 and "nfs4" in why

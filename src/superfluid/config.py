@@ -77,7 +77,7 @@ class ServeConfig:
     fim_tokens: tuple[int, int, int] | None = None
     tick_ms: float = 50.0
     host_cache_mb: int = field(default_factory=lambda: default_host_cache_mb())
-    park: bool = True  # KV states on disk under <sessions>/park
+    park: bool | None = None  # KV states on disk under <sessions>/park; None: where the disk suits
     park_budget_gb: float = 20.0  # 0: unbounded
     http_default_qos: int = 2  # agent
     http_qos_header: bool = True

@@ -26,7 +26,7 @@ from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
 from .engine.local import Engine, LocalEngine
 from .model.resolve import ModelNotFound, resolve_model
 from .model.template import CHATML, ChatTemplate
-from .scheduler.park import Park, park_fingerprint
+from .scheduler.park import Park, default_budget, park_fingerprint
 from .scheduler.scheduler import Scheduler
 
 log = logging.getLogger("superfluid")
@@ -131,6 +131,21 @@ def fast_kernels(config: ServeConfig) -> Path | None:
     return library
 
 
+def open_park(config: ServeConfig, identity: bytes) -> Park | None:
+    """The park of one model's context, as `--park` asks (by default where the disk suits it)."""
+    if config.park is False:
+        return None
+    directory = config.sessions / "park" / identity.hex()
+    budget = int(config.park_budget_gb * (1 << 30))
+    if config.park is None:
+        budget, why = default_budget(directory, budget)
+        if not budget:
+            log.warning("KV states are not parked on disk: %s", why)
+            return None
+        log.info("KV states are parked in %s, %s", directory, why)
+    return Park(directory, identity, budget)
+
+
 def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
     model = LlamaModel(path, vocab_only=config.worker_process)
@@ -152,10 +167,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         engine = worker
     else:
         engine = LocalEngine(LlamaContext(model, shape))
-    park = None
-    if config.park:
-        identity = park_fingerprint(model.name, model.size, window, kernels, shape.flash_attention)
-        park = Park(config.sessions / "park" / identity.hex(), identity, int(config.park_budget_gb * (1 << 30)))
+    park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, shape.flash_attention))
     scheduler = Scheduler(
         engine,
         lanes=config.max_batch,

@@ -341,9 +341,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     generation.add_argument(
         "--park",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="keep idle and evicted KV states on disk under <sessions>/park, so a session comes back warm "
-        "after a restart or an eviction (default: on)",
+        "after a restart or an eviction (default: on where that is a local disk with 2 GiB free, within "
+        "half of the free space)",
     )
     generation.add_argument(
         "--park-budget-gb",

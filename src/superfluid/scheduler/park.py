@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import queue
+import shutil
 import struct
 import threading
 import time
@@ -35,6 +36,14 @@ from .prefix_cache import common_prefix
 
 log = logging.getLogger("superfluid.park")
 
+# filesystems whose fsync crosses a network, or that a VM shares with its host: parking on
+# them would cost more than the prefill it saves, so the default leaves them alone
+REMOTE_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "ceph", "glusterfs", "afs", "lustre", "fuse.sshfs"}
+)
+# the default parks only with this much free disk, and never fills more than half of what is free
+MIN_FREE_BYTES = 2 << 30
+
 MAGIC = b"SFPARK1\n"
 SUFFIX = ".park"
 _COUNT = struct.Struct("<I")
@@ -44,6 +53,44 @@ _PAYLOAD = struct.Struct("<Q16s")
 def park_fingerprint(*parts: object) -> bytes:
     """16 bytes naming what a state depends on (model identity, context shape, kernels)."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path`, from /proc/mounts ("" where it is unknown)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    resolved, found, longest = str(path.resolve()), "", -1
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > longest:
+            found, longest = fields[2], len(point)
+    return found
+
+
+def default_budget(directory: Path, budget: int) -> tuple[int, str]:
+    """The budget the default `--park` gets in `directory` (0 bytes: no park) and why, for the log.
+
+    The default parks on a local disk with at least `MIN_FREE_BYTES` free, and within half
+    of what is free, so the park never fills the disk the log needs.
+    """
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    kind = filesystem_type(probe)
+    if kind in REMOTE_FILESYSTEMS:
+        return 0, f"{probe} is on {kind}, not a local disk (--park parks there anyway)"
+    free = shutil.disk_usage(probe).free
+    if free < MIN_FREE_BYTES:
+        return 0, f"{probe} has {free / (1 << 30):.1f} GiB free, under {MIN_FREE_BYTES >> 30} GiB (--park parks anyway)"
+    if budget == 0 or budget > free // 2:
+        return free // 2, f"at most {free / 2 / (1 << 30):.1f} GiB, half of the free disk"
+    return budget, f"at most {budget / (1 << 30):.1f} GiB"
 
 
 def _name(tokens: np.ndarray) -> str:
@@ -70,9 +117,9 @@ class Park:
         self.entries: dict[str, ParkedEntry] = {}
         self.parks = self.resumes = self.refused = 0
         self._lock = threading.Lock()
+        self._indexed = threading.Event()
         self._writes: queue.Queue[tuple[np.ndarray, bytes] | threading.Event] = queue.Queue()
         directory.mkdir(parents=True, exist_ok=True)
-        self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="superfluid-park", daemon=True)
         self._writer.start()
 
@@ -82,7 +129,17 @@ class Park:
             return sum(e.size for e in self.entries.values())
 
     def _scan(self) -> None:
-        """Index the files a previous run left: headers only; leftovers of torn writes go."""
+        """Index the files a previous run left: headers only; leftovers of torn writes go.
+
+        It runs on the writer thread before its first write, so start-up does not wait for it
+        however many files there are; the first lookup does.
+        """
+        try:
+            self._index()
+        finally:
+            self._indexed.set()
+
+    def _index(self) -> None:
         for path in self.directory.iterdir():
             if path.suffix != SUFFIX:
                 path.unlink(missing_ok=True)  # a temporary file a crash interrupted
@@ -92,7 +149,8 @@ class Park:
                 self._refuse(path, "its header does not match this model and context")
                 continue
             stat = path.stat()
-            self.entries[path.name] = ParkedEntry(path, tokens, stat.st_size, stat.st_mtime)
+            with self._lock:
+                self.entries.setdefault(path.name, ParkedEntry(path, tokens, stat.st_size, stat.st_mtime))
 
     def _header(self, path: Path) -> np.ndarray | None:
         try:
@@ -126,7 +184,7 @@ class Park:
         return _name(tokens) in self.entries
 
     def flush(self) -> None:
-        """Wait until every state handed over is on disk."""
+        """Wait until every state handed over is on disk (and the files found at start are indexed)."""
         done = threading.Event()
         self._writes.put(done)
         done.wait(timeout=60)
@@ -135,6 +193,7 @@ class Park:
         # the lowest priority: digests and writes take what llama.cpp's threads leave
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        self._scan()
         while True:
             item = self._writes.get()
             if isinstance(item, threading.Event):
@@ -186,6 +245,7 @@ class Park:
     def lookup(self, tokens: np.ndarray, limit: int) -> tuple[ParkedEntry, int] | None:
         """The parked entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
         best: tuple[ParkedEntry, int] | None = None
+        self._indexed.wait()
         with self._lock:
             for entry in self.entries.values():
                 length = min(common_prefix(tokens, entry.tokens), limit)
