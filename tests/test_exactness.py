@@ -288,3 +288,39 @@ def test_a_prefix_restored_from_host_memory(tmp_path: Path, references: dict) ->
         _same(got, references[(prompt, params)], "continued from a prefix imported from host memory")
     finally:
         proc.stop()
+
+
+def test_a_run_of_draws_in_one_engine_call_equals_one_call_per_token() -> None:
+    import llama_cpp
+    import numpy as np
+
+    from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+    from superfluid.engine.local import Draw, LocalEngine, Step
+    from superfluid.model.resolve import embedded_model
+
+    model = LlamaModel(embedded_model().path)
+    engine = LocalEngine(LlamaContext(model, ContextShape(512, 2, 512, 2)))
+    prompts = [model.tokenize(p, True) for p in PROMPTS[:2]]
+
+    def generate(run: int, count: int) -> list[list[int]]:
+        llama_cpp.llama_memory_clear(engine.context._mem, True)
+        # both prompts in one batch, then their tokens: both lanes run alike, so every batch has both
+        tokens = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts])
+        positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts])
+        seqs = np.concatenate([np.full(len(p), seq, dtype=np.int32) for seq, p in enumerate(prompts)])
+        want = np.zeros(len(tokens), dtype=np.int8)
+        want[len(prompts[0]) - 1] = want[-1] = 1
+        draws = [Draw(GREEDY, len(p), True, run=run) for p in prompts]
+        out = engine.step(Step(tokens, positions, seqs, want, draws))
+        while len(out[0]) < count:
+            last = np.asarray([o[-1] for o in out], dtype=np.int32)
+            at = np.asarray([len(p) + len(o) - 1 for p, o in zip(prompts, out, strict=True)], dtype=np.int32)
+            draws = [Draw(GREEDY, int(a) + 1, True, run=min(run, count - len(out[0]))) for a in at]
+            more = engine.step(Step(last, at, np.arange(2, dtype=np.int32), np.ones(2, dtype=np.int8), draws))
+            out = [o + m for o, m in zip(out, more, strict=True)]
+        return out
+
+    single = generate(1, 41)
+    runs = generate(5, 41)
+    assert all(len(o) == 41 for o in runs), [len(o) for o in runs]
+    assert runs == single

@@ -7,14 +7,20 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from superfluid.engine.llama import ContextShape
 from superfluid.engine.local import Step
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
+from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+
+
+def _next(held: list[int]) -> int:
+    return 1 + (sum(held) * 31 + len(held)) % (VOCAB - 1)
 
 
 class FakeContext:
@@ -32,18 +38,23 @@ class FakeContext:
     def copy_pending(self) -> bool:
         return bool(self.copying)
 
-    def step(self, step: Step) -> list[int]:
+    def step(self, step: Step) -> list[list[int]]:
         time.sleep(self.delay)
         self.copying.clear()
         self.batches.append({int(s) for s in step.seqs})
-        drawn = []
+        drawn: list[list[int]] = []
         for token, position, seq, wanted in zip(step.tokens, step.positions, step.seqs, step.want, strict=True):
             held = self.slots[int(seq)]
             assert position == len(held), f"slot {seq} holds {len(held)} positions, decode wrote at {position}"
             held.append(int(token))
             if wanted:
-                assert step.draws[len(drawn)].position == len(held), "a draw is keyed by its token's position"
-                drawn.append(1 + (sum(held) * 31 + len(held)) % (VOCAB - 1))
+                draw = step.draws[len(drawn)]
+                assert draw.position == len(held), "a draw is keyed by its token's position"
+                run = [_next(held)]
+                while len(run) < draw.run:
+                    held.append(run[-1])  # decoded in the same call, as a run in the engine is
+                    run.append(_next(held))
+                drawn.append(run)
         return drawn
 
     def open_grammar(self, gbnf: str) -> int:
@@ -357,3 +368,30 @@ def test_a_cache_warm_up_does_not_slow_decoding_agents() -> None:
         scheduler.cancel(agent)
     finally:
         scheduler.stop()
+
+
+def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_must(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompt = list(range(1, 20))
+    context = FakeContext(sequences=2, delay=0.002)
+    scheduler = Scheduler(context, lanes=1, window=1024)
+    scheduler.start()
+    try:
+        out = run(scheduler, prompt, max_tokens=61)[0]
+    finally:
+        scheduler.stop()
+    assert len(out) == 61, "a run never draws past max_tokens"
+    assert len(context.batches) < 61 / 2, f"{len(context.batches)} engine calls for 61 tokens"
+    monkeypatch.setattr(scheduler_module, "MAX_RUN", 1)
+    assert alone(prompt, 61) == out, "a run draws what one call per token draws"
+    monkeypatch.setattr(scheduler_module, "MAX_RUN", 8)
+    window = Scheduler(FakeContext(sequences=2, window=64), lanes=1, window=64)
+    window.start()
+    try:
+        sink = Collect()
+        window.submit(Job(prompt, GREEDY, 1000, sink=sink))
+        assert sink.done.wait(10)
+        assert sink.finish == FINISH_LENGTH and len(prompt) + len(sink.out) == 64, "nor past the window"
+    finally:
+        window.stop()

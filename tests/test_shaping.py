@@ -63,17 +63,19 @@ def test_shaping_and_drawn_logprobs_cross_the_channel_whole() -> None:
     payload = wire.encode_shaping(shaping, [7, 8, 9])
     assert wire.decode_shaping(memoryview(payload)) == (shaping, [7, 8, 9])
     rows = {1: LogprobRow(5, -0.5, ((5, -0.5), (2, -1.25))), 2: LogprobRow(6, -2.0, ())}
-    tokens, back = wire.decode_drawn(memoryview(wire.encode_drawn([3, 5, 6], rows)), 3)
-    assert tokens == [3, 5, 6] and back == rows
-    assert wire.decode_drawn(memoryview(wire.encode_drawn([3], {})), 1) == ([3], {})
+    tokens, back = wire.decode_drawn(memoryview(wire.encode_drawn([[3, 4, 8], [5], [6]], rows)), 3)
+    assert tokens == [[3, 4, 8], [5], [6]] and back == rows
+    assert wire.decode_drawn(memoryview(wire.encode_drawn([[3]], {})), 1) == ([[3]], {})
+    assert wire.decode_drawn(memoryview(wire.encode_drawn([[3, 9], [], [1]], {})), 3) == ([[3, 9], [], [1]], {})
     step = Step(
         np.arange(2, dtype=np.int32),
         np.arange(2, dtype=np.int32),
         np.zeros(2, dtype=np.int32),
         np.array([0, 1], dtype=np.int8),
-        [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5)],
+        [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5, 6)],
     )
-    assert wire.decode_step(memoryview(wire.encode_step(step))).draws == step.draws, "a draw names its shaping"
+    back = wire.decode_step(memoryview(wire.encode_step(step)))
+    assert back.draws == step.draws, "a draw names its shaping and its run"
 
 
 def test_logprob_text_joins_to_the_text_and_stops_where_it_was_cut() -> None:

@@ -200,7 +200,7 @@ class WorkerEngine:
     def copy_pending(self) -> bool:
         return self._copying
 
-    def step(self, step: Step) -> list[int]:
+    def step(self, step: Step) -> list[list[int]]:
         started = time.perf_counter()
         try:
             reply = self._call(wire.STEP, wire.encode_step(step))

@@ -3,7 +3,9 @@
 A `Step` is one llama_decode: token ids, positions and sequence ids, and for each lane
 whose last token it carries, a `Draw` saying how to pick the next token (sampling
 parameters, the stream position its random draw is keyed by, whether end-of-generation is
-banned, and the handles of its grammar and of its `Shaping`). `LocalEngine` runs steps in
+banned, the handles of its grammar and of its `Shaping`, and how long a run it may draw:
+a lane whose run is longer than one decodes its drawn token at once, in a batch of the
+lanes still running, and draws again, so a few tokens cost one call). `LocalEngine` runs steps in
 this process: decode, then sample each wanted row, shaped (bias, penalties) and masked by the
 lane's grammar, which then accepts the token; a lane whose shaping asks for log probabilities
 gets them back in the step's `logprobs`.
@@ -16,14 +18,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 import numpy as np
 
 from ..protocol.schema import GenParams
 from .grammar import Grammar
-from .llama import ContextShape, EmbeddingContext, EngineError, LlamaContext
+from .llama import ContextShape, EmbeddingContext, EngineError, KVFull, LlamaContext
 from .sampling import sample
 from .shaping import LogprobRow, Shaper, Shaping, log_softmax_row
 
@@ -43,13 +45,15 @@ class Draw:
     ignore_eos: bool = False
     grammar: int = 0  # an `open_grammar` handle; 0 for none
     shaping: int = 0  # an `open_shaping` handle; 0 for none
+    run: int = 1  # tokens it may draw in this call, each decoded before the next; an end of generation stops it
 
 
 @dataclass
 class Step:
     """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order.
 
-    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them.
+    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them; a
+    draw that asks for them runs one token.
     """
 
     tokens: np.ndarray
@@ -73,7 +77,9 @@ class Engine(Protocol):
     @property
     def copy_pending(self) -> bool: ...
 
-    def step(self, step: Step) -> list[int]: ...
+    def step(self, step: Step) -> list[list[int]]:
+        """The tokens each draw drew, in order: one, or up to its `run`."""
+        ...
 
     def copy(self, source: int, target: int, length: int) -> None: ...
 
@@ -120,23 +126,42 @@ class LocalEngine:
     def copy_pending(self) -> bool:
         return self.context.copy_pending
 
-    def step(self, step: Step) -> list[int]:
+    def step(self, step: Step) -> list[list[int]]:
         logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
-        drawn = []
-        for index, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):
-            shaper = _opened(self._shapers, draw.shaping, "shaping") if draw.shaping else None
-            if shaper is None:
-                drawn.append(self._draw(row, draw))
-                continue
-            asked = shaper.shaping.logprobs
-            raw = row.copy() if asked >= 0 else None  # log probabilities are of the model's own row
-            shaper.apply(row)
-            token = self._draw(row, draw)
-            shaper.accept(token)
-            if raw is not None:
-                step.logprobs[index] = log_softmax_row(raw, token, asked)
-            drawn.append(token)
+        drawn = [[self._pick(step, i, row, draw)] for i, (row, draw) in enumerate(zip(logits, step.draws, strict=True))]
+        seqs = step.seqs[step.want != 0]
+        running = [i for i, d in enumerate(step.draws) if d.run > 1 and not self.end_of_generation[drawn[i][0]]]
+        while running:
+            # the same decode the scheduler would send next: each running lane's last token, alone
+            tokens = np.array([drawn[i][-1] for i in running], dtype=np.int32)
+            positions = np.array([step.draws[i].position + len(drawn[i]) - 1 for i in running], dtype=np.int32)
+            try:
+                logits = self.context.decode(tokens, positions, seqs[running], np.ones(len(running), dtype=np.int8))
+            except KVFull:
+                break  # what was drawn stands; the scheduler decodes the last tokens when there is room
+            for i, row in zip(running, logits, strict=True):
+                draw = step.draws[i]
+                drawn[i].append(self._pick(step, i, row, replace(draw, position=draw.position + len(drawn[i]))))
+            running = [
+                i for i in running if len(drawn[i]) < step.draws[i].run and not self.end_of_generation[drawn[i][-1]]
+            ]
         return drawn
+
+    def _pick(self, step: Step, index: int, row: np.ndarray, draw: Draw) -> int:
+        """The token one draw picks from its row, shaped; its log probabilities go into the step."""
+        shaper = _opened(self._shapers, draw.shaping, "shaping") if draw.shaping else None
+        if shaper is None:
+            return self._draw(row, draw)
+        asked = shaper.shaping.logprobs
+        raw = row.copy() if asked >= 0 else None  # log probabilities are of the model's own row
+        shaper.apply(row)
+        token = self._draw(row, draw)
+        shaper.accept(token)
+        if raw is not None:
+            if draw.run > 1:
+                raise EngineError("a draw that asks for log probabilities runs one token")
+            step.logprobs[index] = log_softmax_row(raw, token, asked)
+        return token
 
     def _draw(self, logits: np.ndarray, draw: Draw) -> int:
         grammar = _opened(self._grammars, draw.grammar, "grammar") if draw.grammar else None

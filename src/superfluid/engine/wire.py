@@ -3,8 +3,8 @@
 A frame is a `u32` little-endian length, then a one-byte kind, then its payload. Each call
 is one request frame answered by one reply frame, in order. A step travels as a small
 header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
-then one packed record per draw) and comes back as the drawn token ids, so a tick's traffic
-is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
+then one packed record per draw) and comes back as how many tokens each draw drew and
+their ids, so a tick's traffic is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
 probabilities add a fixed-size record each to the reply. A job's shaping (bias, penalties,
 how many log probabilities) travels once, when it is opened. KV exports travel as raw bytes,
 and so do an embedding's token ids and the vector it comes back as.
@@ -41,6 +41,7 @@ DRAW = np.dtype(
         ("ignore_eos", "u1"),
         ("grammar", "<u4"),
         ("shaping", "<u4"),
+        ("run", "<u4"),
     ]
 )
 LOGPROBS = np.dtype(
@@ -88,7 +89,18 @@ def encode_step(step: Step) -> bytes:
     draws = np.zeros(len(step.draws), dtype=DRAW)
     for i, d in enumerate(step.draws):
         p = d.params
-        draws[i] = (p.temperature, p.top_p, p.min_p, p.top_k, p.seed, d.position, d.ignore_eos, d.grammar, d.shaping)
+        draws[i] = (
+            p.temperature,
+            p.top_p,
+            p.min_p,
+            p.top_k,
+            p.seed,
+            d.position,
+            d.ignore_eos,
+            d.grammar,
+            d.shaping,
+            d.run,
+        )
     return b"".join(
         (
             _HEAD.pack(len(step.tokens), len(step.draws)),
@@ -116,38 +128,48 @@ def decode_step(payload: memoryview) -> Step:
             bool(r["ignore_eos"]),
             int(r["grammar"]),
             int(r["shaping"]),
+            int(r["run"]),
         )
         for r in records
     ]
     return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws)
 
 
-def encode_drawn(tokens: list[int], logprobs: dict[int, LogprobRow]) -> bytes:
-    """A step's reply: the drawn token ids, then a record per draw that asked for log probabilities."""
+def encode_drawn(drawn: list[list[int]], logprobs: dict[int, LogprobRow]) -> bytes:
+    """A step's reply: how many tokens each draw drew, their ids, then a record per draw that
+    asked for log probabilities."""
+    counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
+    ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
+    head = counts.tobytes() + ids.tobytes()
     if not logprobs:
-        return np.asarray(tokens, dtype="<i4").tobytes()
+        return head
     rows = np.zeros(len(logprobs), dtype=LOGPROBS)
     for i, (draw, row) in enumerate(sorted(logprobs.items())):
         rows[i]["draw"], rows[i]["logprob"], rows[i]["count"] = draw, row.logprob, len(row.top)
         for j, (token, value) in enumerate(row.top):
             rows[i]["ids"][j], rows[i]["values"][j] = token, value
-    return np.asarray(tokens, dtype="<i4").tobytes() + rows.tobytes()
+    return head + rows.tobytes()
 
 
-def decode_drawn(payload: memoryview, draws: int) -> tuple[list[int], dict[int, LogprobRow]]:
-    tokens = np.frombuffer(payload, dtype="<i4", count=draws)
-    if len(payload) == 4 * draws:
-        return tokens.tolist(), {}
-    records = np.frombuffer(payload, dtype=LOGPROBS, offset=4 * draws)
+def decode_drawn(payload: memoryview, draws: int) -> tuple[list[list[int]], dict[int, LogprobRow]]:
+    counts = np.frombuffer(payload, dtype="<u4", count=draws)
+    total = int(counts.sum())
+    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=4 * draws).tolist()
+    ends = np.cumsum(counts).tolist()
+    drawn = [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)]
+    end = 4 * (draws + total)
+    if len(payload) == end:
+        return drawn, {}
+    records = np.frombuffer(payload, dtype=LOGPROBS, offset=end)
     logprobs = {
         int(r["draw"]): LogprobRow(
-            int(tokens[r["draw"]]),
+            drawn[r["draw"]][0],
             float(r["logprob"]),
             tuple((int(t), float(v)) for t, v in zip(r["ids"][: r["count"]], r["values"][: r["count"]], strict=True)),
         )
         for r in records
     }
-    return tokens.tolist(), logprobs
+    return drawn, logprobs
 
 
 def encode_shaping(shaping: Shaping, recent: list[int]) -> bytes:

@@ -78,6 +78,11 @@ URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
+# a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
+# and this loop are paid once), as long as nobody waits for admission, up to this long: an
+# arrival waits at most that for its lane
+RUN_S = 0.04
+MAX_RUN = 8
 
 
 def _smoothed(average: float, sample: float) -> float:
@@ -207,6 +212,7 @@ class Scheduler:
         self.lanes: list[Lane] = []
         self.background_divisor = 1
         self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
+        self._decode_step_s = 0.0  # seconds per step of the last steps that only decoded
         self._urgent_until = 0.0  # monotonic time until which steps stay short
         self._queue: list[Job] = []
         self._order = itertools.count()
@@ -657,14 +663,25 @@ class Scheduler:
         owners = []
         draws = []
         end = 0
+        decode_only = all(lane.decoding for lane, _, _ in plan)
+        run = self._run_length(plan) if decode_only else 1
         for lane, chunk, start in plan:
             end += len(chunk)
             if len(chunk) == len(lane.feed) and not lane.job.prefill_only:
                 want[end - 1] = 1
                 owners.append(lane)
                 job = lane.job
+                # a run ends where the job would end: its max_tokens, or the window
+                limit = min(run, job.max_tokens - job.generated, self.window - start - 1)
                 draws.append(
-                    Draw(job.params, start + len(chunk), job.ignore_eos, job.grammar_handle, job.shaping_handle)
+                    Draw(
+                        job.params,
+                        start + len(chunk),
+                        job.ignore_eos,
+                        job.grammar_handle,
+                        job.shaping_handle,
+                        max(1, limit),
+                    )
                 )
         step = Step(tokens, positions, seqs, want, draws)
         while True:
@@ -688,8 +705,9 @@ class Scheduler:
                 for lane, _, _ in plan:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
-        self.stats.steps += 1
-        self._measure(plan, took)
+        decodes = max((len(tokens) for tokens in drawn), default=1)  # llama_decode calls in this step
+        self.stats.steps += decodes
+        self._measure(plan, took, sum(len(tokens) for tokens in drawn), decodes if decode_only else 0)
         for lane, chunk, _ in plan:
             lane.held.extend(chunk)
             del lane.feed[: len(chunk)]
@@ -697,19 +715,33 @@ class Scheduler:
                 self.stats.decode_tokens += len(chunk)
             else:
                 self.stats.prefill_tokens += len(chunk)
-        for index, (lane, token) in enumerate(zip(owners, drawn, strict=True)):
-            finished |= self._advance(lane, token, step.logprobs.get(index))
+        for index, (lane, tokens) in enumerate(zip(owners, drawn, strict=True)):
+            for i, token in enumerate(tokens):
+                if i:
+                    lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
+                    self.stats.decode_tokens += 1
+                finished |= self._advance(lane, token, step.logprobs.get(index) if i == 0 else None)
         return finished | self._retire_prefilled()
 
-    def _measure(self, plan: list[tuple[Lane, list[int], int]], took: float) -> None:
+    def _run_length(self, plan: list[tuple[Lane, list[int], int]]) -> int:
+        """How many tokens each lane of a step that only decodes may draw in one engine call."""
+        if not self._decode_step_s or self._queue or self.background_divisor > 1:
+            return 1  # the first decode-only step measures; an arrival or a throttle wants every step
+        if any(lane.job.shaping is not None and lane.job.shaping.logprobs >= 0 for lane, _, _ in plan):
+            return 1  # log probabilities come back one row per call
+        return max(1, min(MAX_RUN, int(min(RUN_S, self.tick_s) / self._decode_step_s)))
+
+    def _measure(self, plan: list[tuple[Lane, list[int], int]], took: float, drawn: int, decodes: int) -> None:
         """The engine's rates as /slots shows them: a step that prefills counts for prefill (its cost is
-        mostly the prompt's), one that only decodes for decode."""
+        mostly the prompt's), one that only decodes for decode (over the `decodes` calls it made)."""
         prefilled = sum(len(chunk) for lane, chunk, _ in plan if not lane.job.generated)
         stats = self.stats
         if prefilled:
             stats.prefill_tokens_per_second = _smoothed(stats.prefill_tokens_per_second, prefilled / took)
         else:
-            stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, len(plan) / took)
+            stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, drawn / took)
+        if decodes:
+            self._decode_step_s = _smoothed(self._decode_step_s, took / decodes)
 
     def _retire_prefilled(self) -> bool:
         done = [lane for lane in self.lanes if lane.job.prefill_only and not lane.feed]
