@@ -12,21 +12,26 @@ Four sections, one system at a time, never two at once:
   no flash attention and a KV stream per sequence) and at two settings between;
 - http: superfluid (default kernels, and `--kernels exact` for the agents) and llama-server
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
-  idle first token, decode at 1 and 8 streams, a burst sharing a system prompt, eight agents
-  with a chat arriving behind them;
+  idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both
+  systems up, taking turns), then eight agents with a chat arriving behind them;
 - socket: the session API against a bare llama.cpp loop in this process (the exact build,
   and the daemon on `--kernels exact`): decode, forks, shared prefixes, a chat behind
   agents, memory inside its flags;
-- park: a 2,000-token session's next first token after a SIGKILL and after a clean stop
-  (its KV parked on disk), against a cold prefill of it.
+- park: a 2,000-token session's next first token after a SIGKILL, after a clean stop and
+  after its worker's SIGKILL (its KV parked on disk), against a cold prefill of it; and 200
+  idle 1,000-token sessions on slots for 20, resumed oldest first from the park.
 Performance claims in the README come from this script, not from tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -172,7 +177,7 @@ def filler(model: LlamaModel, tokens: int, seed: int) -> str:
 def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: int) -> list[Result]:
     window, lanes = 4096, 8
     decode_tokens = 64 if quick else 192
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 7
     fork_tokens = 800 if quick else 2000
     shared_tokens = 500 if quick else 1500
     burst = 8 if quick else 16
@@ -193,9 +198,9 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
     daemon = Superfluid(root / "socket", window, lanes, *flags).start()
     try:
         with daemon.client() as c:
-            # 1. decode throughput at 1 and 8 concurrent sessions: raw and daemon take turns on
-            # prompts neither has seen; each round's ratio compares runs a few seconds apart, and
-            # the median round counts (this machine's speed drifts by 10-20% over minutes)
+            # 1. decode throughput at 1 and 8 concurrent sessions: the raw loop runs before and
+            # after the daemon on prompts neither has seen; each round's ratio compares runs seconds
+            # apart, and the median round counts (this machine's speed drifts by 10-20% over minutes)
             channel_before = (
                 metric(c, "superfluid_worker_step_seconds_total"),
                 metric(c, "superfluid_worker_compute_seconds_total"),
@@ -207,7 +212,7 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                         prompt(model, f"Tell me a long story about lighthouse {round_}-{n}-{i}.") for i in range(n)
                     ]
                     tokens, seconds = raw.generate(stories, decode_tokens)
-                    raw_rates.append(tokens / seconds)
+                    before = tokens / seconds
                     sessions = [session_with(c, story) for story in stories]
                     done: list[Response.Generated] = []
                     started = time.perf_counter()
@@ -219,6 +224,8 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     for w in workers:
                         w.join()
                     rates.append(sum(r.tokens_generated for r in done) / (time.perf_counter() - started))
+                    tokens, seconds = raw.generate(stories, decode_tokens)  # raw runs before and after: drift cancels
+                    raw_rates.append((before + tokens / seconds) / 2)
                     ratios.append(rates[-1] / raw_rates[-1])
                 middle = int(np.argsort(ratios)[len(ratios) // 2])  # the median round, shown with its own rates
                 ratio = ratios[middle]
@@ -424,8 +431,9 @@ def first_token_after_start(daemon: Superfluid, session: int) -> tuple[float, Re
     return ttft, summary
 
 
-def park_section(root: Path, threads: int) -> list[Result]:
-    """A long session's next first token after a SIGKILL and after a clean stop, against a cold prefill."""
+def park_section(root: Path, threads: int, quick: bool) -> list[Result]:
+    """A long session's next first token after a SIGKILL, a clean stop and a worker respawn, against
+    a cold prefill; then many idle sessions, more than the slots hold, resumed from the park."""
     model = LlamaModel(embedded_model().path)
     flags = ("--threads", str(threads))
     warm = Superfluid(root / "park", 4096, 8, *flags).start()
@@ -433,9 +441,7 @@ def park_section(root: Path, threads: int) -> list[Result]:
         session = session_with(c, prompt(model, filler(model, PARK_SESSION, 5)))
         timed_generate(c, session, 4)
         length = len(c.call(Request.Inspect(session)).inspection.tokens)
-        deadline = time.monotonic() + 60
-        while metric(c, "superfluid_parks_total") < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+    parks(warm, 1, within=60)
     assert warm.proc is not None
     warm.proc.kill()
     warm.proc.wait()
@@ -443,16 +449,17 @@ def park_section(root: Path, threads: int) -> list[Result]:
     killed, after_kill = first_token_after_start(warm, session)
     warm.stop()
     stopped, after_stop = first_token_after_start(warm, session)
+    respawned, after_respawn = first_token_after_worker_kill(warm, session)
     warm.stop()
     cold = Superfluid(root / "cold", 4096, 8, *flags, "--no-park")
     prefill, _ = first_token_after_start(cold, session)
     cold.stop()
     print(
         f"park: {length} tokens; first token after SIGKILL {killed:.3f} s, after a clean stop {stopped:.3f} s, "
-        f"cold prefill {prefill:.2f} s",
+        f"after a worker's SIGKILL {respawned:.3f} s, cold prefill {prefill:.2f} s",
         flush=True,
     )
-    return [
+    results = [
         Result(
             f"{label}: first token of a {length}-token session / cold prefill",
             seconds / prefill,
@@ -463,8 +470,74 @@ def park_section(root: Path, threads: int) -> list[Result]:
         for label, seconds, summary in (
             ("after a SIGKILL", killed, after_kill),
             ("after a clean stop", stopped, after_stop),
+            ("after a worker respawn", respawned, after_respawn),
         )
     ]
+    return [*results, many_idle_sessions(root, threads, 40 if quick else 200)]
+
+
+def parks(daemon: Superfluid, at_least: float, within: float = 120.0) -> float:
+    """superfluid_parks_total once it reaches `at_least`, or after `within` seconds."""
+    deadline = time.monotonic() + within
+    with daemon.client() as c:
+        while (parked := metric(c, "superfluid_parks_total")) < at_least and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return parked
+
+
+def first_token_after_worker_kill(daemon: Superfluid, session: int) -> tuple[float, Response.Generated]:
+    """Once `session` is parked again, SIGKILL the daemon's worker; time the first token after its respawn."""
+    parks(daemon, 1)
+    assert daemon.proc is not None
+    worker = ["pgrep", "-P", str(daemon.proc.pid), "-f", "superfluid-worker-llamacpp"]
+    os.kill(int(subprocess.run(worker, capture_output=True).stdout.split()[0]), signal.SIGKILL)
+    with daemon.client() as c:
+        deadline = time.monotonic() + 120
+        while metric(c, "superfluid_worker_respawns_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ttft, _, summary = timed_generate(c, session, 4)
+    return ttft, summary
+
+
+def many_idle_sessions(root: Path, threads: int, count: int) -> Result:
+    """`count` sessions of about 1,000 tokens on a daemon with slots for 20 and no host memory:
+    resumed oldest first once all are idle, each should come back warm from the park."""
+    model = LlamaModel(embedded_model().path, vocab_only=True)
+    lanes = 16  # and 4 spare slots: 20
+    daemon = Superfluid(root / "many", 2048, lanes, "--threads", str(threads), "--host-cache-mb", "0").start()
+    try:
+        with daemon.client() as c:
+            sessions = [session_with(c, prompt(model, filler(model, 1000, 100 + i))) for i in range(count)]
+            for start in range(0, count, lanes):
+                done: list[Response.Generated] = []
+                workers = [
+                    threading.Thread(target=collect, args=(done, daemon, s, 1)) for s in sessions[start : start + lanes]
+                ]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                print(f"park: {start + len(workers)} of {count} sessions prefilled", flush=True)
+            length = len(c.call(Request.Inspect(sessions[-1])).inspection.tokens)
+            parked = parks(daemon, count, within=600)
+            resumed = [timed_generate(c, s, 1) for s in sessions]
+            cold = timed_generate(c, session_with(c, prompt(model, filler(model, 1000, 99))), 1)[0]
+    finally:
+        daemon.stop()
+    warm = [ttft for ttft, _, summary in resumed if summary.warm_prefix >= 0.9 * length]
+    last_warm = resumed[-1][2].warm_prefix >= 0.9 * length
+    detail = (
+        f"{len(warm)} of {count} warm (the last: {'yes' if last_warm else 'no'}), {parked:.0f} parked; "
+        f"first token p50 {np.median([r[0] for r in resumed]):.3f} s vs a cold prefill {cold:.2f} s"
+    )
+    print(f"park: {detail}", flush=True)
+    return Result(
+        f"{count} idle {length}-token sessions, slots for 20: share resumed warm from the park",
+        len(warm) / count,
+        "the last one warm",
+        last_warm,
+        detail,
+    )
 
 
 # ---- http: superfluid and llama-server, driven alike ----
@@ -478,21 +551,45 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def light_round(url: str, quick: bool, seed: int) -> dict[str, float]:
-    """Idle first token, decode at 1 and 8 streams, and a burst sharing a system prompt, on fresh prompts."""
-    load.send(url, load.Chat(_user(f"Hello {seed}."), 4))  # warm-up: first-request costs are not steady state
-    idle = [load.send(url, load.Chat(_user(f"{CHAT} ({seed}-{i})"), 16)).ttft for i in range(5 if quick else 9)]
-    figures = {"idle": float(np.median(idle))}
-    for n in (1, 8):
-        stories = [load.Chat(_user(f"Tell me a long story about lighthouse {seed}-{n}-{i}."), 256) for i in range(n)]
-        figures[f"decode{n}"] = load.decode_rate(load.together(url, stories))
-    system = load.document(seed + 1, BURST_PREFIX // 3 if quick else BURST_PREFIX)
-    burst = [
-        load.Chat([{"role": "system", "content": system}, *_user(f"Question {i}: what is word {i}?")], 8)
-        for i in range(8 if quick else 16)
-    ]
-    replies, figures["burst_wall"] = load.timed(lambda: load.together(url, burst))
-    figures["burst_prefilled"] = sum(r.prompt_tokens - r.cached_tokens for r in replies)
+def light_rounds(urls: dict[str, str], quick: bool) -> dict[str, list[dict[str, float]]]:
+    """Idle first token, decode at 1 and 8 streams, and a burst sharing a system prompt, on fresh
+    prompts, for every system, by rounds. Within a round the systems take turns measure by
+    measure (one request at a time for the idle first token, three turns each for one stream),
+    so each ratio compares runs seconds apart: this machine's speed drifts by 10-20% over minutes.
+    """
+    figures: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+    for url in urls.values():
+        load.send(url, load.Chat(_user("Hello."), 4))  # warm-up: first-request costs are not steady state
+    for round_ in range(2 if quick else 3):
+        seed = 1000 * round_ + 1
+        order = list(urls) if round_ % 2 == 0 else list(reversed(urls))  # who goes first changes too
+        idle: dict[str, list[float]] = {name: [] for name in urls}
+        for i in range(5 if quick else 9):
+            for name in order:
+                idle[name].append(load.send(urls[name], load.Chat(_user(f"{CHAT} ({seed}-{i})"), 16)).ttft)
+        measured = {name: {"idle": float(np.median(idle[name]))} for name in urls}
+        for n, turns in ((1, 3), (8, 1)):
+            rates: dict[str, list[float]] = {name: [] for name in urls}
+            for turn in range(turns):
+                for name in order:
+                    stories = [
+                        load.Chat(_user(f"Tell me a long story about lighthouse {seed}-{n}-{turn}-{i}."), 256)
+                        for i in range(n)
+                    ]
+                    rates[name].append(load.decode_rate(load.together(urls[name], stories)))
+            for name in urls:
+                measured[name][f"decode{n}"] = float(np.median(rates[name]))
+        for name in order:
+            system = load.document(seed + 1, BURST_PREFIX // 3 if quick else BURST_PREFIX)
+            burst = [
+                load.Chat([{"role": "system", "content": system}, *_user(f"Question {i}: what is word {i}?")], 8)
+                for i in range(8 if quick else 16)
+            ]
+            replies, measured[name]["burst_wall"] = load.timed(functools.partial(load.together, urls[name], burst))
+            measured[name]["burst_prefilled"] = sum(r.prompt_tokens - r.cached_tokens for r in replies)
+        for name in urls:
+            figures[name].append(measured[name])
+            print(f"http round {round_ + 1}, {name}: {measured[name]}", flush=True)
     return figures
 
 
@@ -520,8 +617,10 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
 
 def http_section(peers: Path | None, quick: bool, threads: int, root: Path) -> list[Result]:
     window, lanes = 4096, 8
-    systems: dict[str, Callable[[str], Superfluid | LlamaServer]] = {
-        "superfluid": lambda tag: Superfluid(root / f"superfluid-{tag}", window, lanes, "--threads", str(threads))
+    systems: dict[str, Callable[..., Superfluid | LlamaServer]] = {
+        "superfluid": lambda tag, *extra: Superfluid(
+            root / f"superfluid-{tag}", window, lanes, "--threads", str(threads), *extra
+        )
     }
     exact = ("--threads", str(threads), "--kernels", "exact")
     agent_systems = {
@@ -531,19 +630,20 @@ def http_section(peers: Path | None, quick: bool, threads: int, root: Path) -> l
     server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
     if server_binary is not None and server_binary.exists():
         model = embedded_model().path
-        systems["llama-server"] = agent_systems["llama-server"] = lambda tag: LlamaServer(
+        systems["llama-server"] = agent_systems["llama-server"] = lambda tag, *_: LlamaServer(
             server_binary, model, root / f"llama-server-{tag}", lanes, window, threads
         )
     else:
         print("http: llama-server not built (make bench builds it); its column is left out", flush=True)
-    # the light figures in rounds that alternate the systems: this machine's speed drifts by
-    # 10-20% over minutes, so each ratio compares runs a minute apart and the median round counts
-    light: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-    for round_ in range(2 if quick else 3):
+    # the light figures with every system up and one driven at a time; parking is off there,
+    # since superfluid's idle parking would write while the other system is measured
+    with contextlib.ExitStack() as up:
+        urls = {}
         for name, make in systems.items():
-            with make(f"light{round_}") as server:
-                light[name].append(light_round(server.url, quick, 1000 * round_ + 1))
-            print(f"http round {round_ + 1}, {name}: {light[name][-1]}", flush=True)
+            extra = ("--no-park",) if name == "superfluid" else ()
+            server = up.enter_context(make("light", *extra))
+            urls[name] = server.url
+        light = light_rounds(urls, quick)
     agents: dict[tuple[str, str], dict[str, float]] = {}
     header = ("with the QoS header", "background", "interactive")
     plans = [("superfluid", *header), ("llama-server", "plain", None, None), ("superfluid exact", *header)]
@@ -652,7 +752,7 @@ def main() -> int:
     if "socket" in sections:
         results += socket_section(args.quick, root, fastest, args.threads)
     if "park" in sections:
-        results += park_section(root, args.threads)
+        results += park_section(root, args.threads, args.quick)
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1
