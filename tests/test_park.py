@@ -5,6 +5,7 @@ SIGKILL with the very tokens a prefill gives; the default parks only on a local 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +14,10 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from conftest import HttpDaemon, forced, generated_tokens, new_session, say
+from conftest import HttpDaemon, forced, generate, generated_tokens, new_session, say
 
-from superfluid.protocol.schema import Request, Tier
+from superfluid.client import SocketClient
+from superfluid.protocol.schema import FINISH_CANCELLED, Request, Response, Tier
 from superfluid.scheduler import park as park_module
 from superfluid.scheduler.park import Park, default_budget, filesystem_type, park_fingerprint
 from superfluid.scheduler.prefix_cache import HostCache
@@ -162,3 +164,35 @@ def test_the_default_parks_on_a_local_disk_with_room_and_within_half_of_it(
     monkeypatch.setattr(park_module, "filesystem_type", lambda _path: "nfs4")
     budget, why = default_budget(tmp_path, 20 * gib)
     assert budget == 0 and "nfs4" in why
+
+
+def test_a_daemon_that_is_never_idle_parks_too_and_says_its_rates_at_start(tmp_path: Path) -> None:
+    daemon = HttpDaemon(tmp_path, max_context=8192, max_batch=2).start()
+    try:
+        deadline = time.monotonic() + 30  # measured on the scheduler's thread, before its first job
+        while "imports parked states at" not in daemon.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "imports parked states at" in daemon.log.read_text(), "the rates the park's choice rests on"
+        with daemon.client() as c:
+            busy = new_session(c)
+            say(c, busy, "Count from one to ten thousand, one number per line.")
+            ended: list[Response.Generated] = []
+
+            def run_long() -> None:  # far longer than the test waits, on any machine: it ends by its Cancel
+                with SocketClient(daemon.socket) as own:
+                    ended.append(generate(own, busy, 8000, ignore_eos=True)[1])
+
+            long_run = threading.Thread(target=run_long)
+            long_run.start()
+            session = new_session(c)
+            say(c, session, " ".join(f"Line {i} of a short note." for i in range(12)))
+            forced(c, session, 4)
+            deadline = time.monotonic() + 60
+            while daemon.metric("superfluid_parks_total") < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            c.call(Request.Cancel(busy))
+            long_run.join(60)
+        assert daemon.metric("superfluid_parks_total") >= 1, "a finished session is parked while others run"
+        assert ended and ended[0].finish == FINISH_CANCELLED, "the daemon was busy all along"
+    finally:
+        daemon.stop()

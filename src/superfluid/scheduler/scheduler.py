@@ -33,6 +33,7 @@ in one transaction.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -77,6 +78,8 @@ STEP_URGENT_S = 0.08  # the same while interactive or completion work has come l
 URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
+PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is parked this often
+CALIBRATION_TOKENS = 64  # the probe that measures prefill and import rates before the first job
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
 # and this loop are paid once), as long as nobody waits for admission, up to this long: an
@@ -297,7 +300,10 @@ class Scheduler:
             self._cv.notify()
 
     def _run(self) -> None:
+        if self.park is not None:
+            self._calibrate()
         parked = False  # the idle entries were parked since the last tick
+        parked_at = time.monotonic()
         while True:
             park_now = False
             with self._cv:
@@ -327,6 +333,9 @@ class Scheduler:
             self.stats.ticks += 1
             self.stats.tick_in_flight = False
             self.on_tick()
+            if self.park is not None and time.monotonic() - parked_at >= PARK_BUSY_EVERY_S:
+                self._park_idle(limit=1)  # a daemon that is never idle parks too, a little at a time
+                parked_at = time.monotonic()
 
     def _recover(self, why: str) -> None:
         """The worker died: every generation it held ends with finish 5, its slots are empty, a new one starts."""
@@ -609,14 +618,51 @@ class Scheduler:
         self.engine.truncate(seq, length)
         return seq
 
-    def _park_idle(self) -> None:
-        """Hand the idle entries and host memory's not parked yet to the park (where they are keeps them too)."""
+    def _park_idle(self, limit: int | None = None) -> None:
+        """Hand the idle entries (at most `limit` of them) and host memory's not parked yet to the
+        park; where they are keeps them too."""
         assert self.park is not None
-        for entry in list(self.cache.entries.values()):
-            if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens):
-                self.park.put(entry.tokens, self.engine.export(entry.seq))
+        unparked = [
+            entry
+            for entry in self.cache.entries.values()
+            if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens)
+        ]
+        for entry in unparked[:limit]:
+            self.park.put(entry.tokens, self.engine.export(entry.seq))
         for hosted in list(self.cache.host.entries.values()):
             self.park.put(hosted.tokens, hosted.state)
+
+    def _calibrate(self) -> None:
+        """Measure, before the first job, what choosing between the park and a prefill rests on:
+        the seconds a prefilled token costs and those a byte of parked state costs to check and import."""
+        first, second = self._free_seqs.pop(), self._free_seqs.pop()
+        probe = np.arange(100, 100 + CALIBRATION_TOKENS, dtype=np.int32)
+        try:
+            positions, seqs = np.arange(len(probe), dtype=np.int32), np.full(len(probe), first, dtype=np.int32)
+            started = time.perf_counter()
+            self.engine.step(Step(probe, positions, seqs, np.zeros(len(probe), dtype=np.int8), []))
+            prefill = time.perf_counter() - started
+            state = self.engine.export(first)
+            started = time.perf_counter()
+            hashlib.blake2b(state, digest_size=16).digest()  # a parked file's check
+            self.engine.restore(second, state)
+            imported = time.perf_counter() - started
+            self.engine.truncate(first, 0)
+            self.engine.truncate(second, 0)
+        except EngineError as e:
+            log.warning("the park's rates could not be measured (%s): the first resumes measure them", e)
+            return
+        finally:
+            self._free_seqs += [second, first]
+        self._token_cost = prefill / len(probe)
+        self._read_cost = imported / max(1, len(state))
+        log.info(
+            "this machine prefills %.0f tokens/s and imports parked states at %.0f tokens/s (%.0f MB/s): "
+            "a parked prefix is read back when that is quicker than prefilling it",
+            len(probe) / prefill,
+            len(probe) / imported,
+            len(state) / imported / 1e6,
+        )
 
     def _resume(self, tokens: np.ndarray, better_than: int) -> tuple[int, int] | None:
         """A slot holding a parked prefix of `tokens` longer than `better_than` by enough to beat
