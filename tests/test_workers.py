@@ -332,12 +332,23 @@ def test_the_default_model_answers_while_another_loads(tmp_path: Path) -> None:
             assert loaded.status_code == 200
             ended["load"] = time.monotonic()
 
+        before = set(workers_of(proc))
         loader = threading.Thread(target=load)
         loader.start()
-        while len(workers_of(proc)) < 2:  # its worker has started and is loading the model
+        while not (loading := set(workers_of(proc)) - before):  # its worker has started and is loading the model
             time.sleep(0.01)
-        answers_a_session(proc, 3)
-        ended["session"] = time.monotonic()
+        # held still, the load cannot finish on a fast machine before the session is answered
+        (pid,) = loading
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            session = threading.Thread(
+                target=lambda: (answers_a_session(proc, 3), ended.update(session=time.monotonic()))
+            )
+            session.start()
+            session.join(60)
+            assert "session" in ended, "a session on the default model waited for another model's load"
+        finally:
+            os.kill(pid, signal.SIGCONT)
         loader.join(120)
         assert "load" in ended, "the second model loaded"
         assert ended["session"] < ended["load"], "a session on the default model waited for another model's load"

@@ -79,7 +79,7 @@ URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is parked this often
-CALIBRATION_TOKENS = 64  # the probe that measures prefill and import rates before the first job
+CALIBRATION_TOKENS = 32  # the probe measuring prefill and import rates before the first job (run twice: a warm-up)
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
 # and this loop are paid once), as long as nobody waits for admission, up to this long: an
@@ -634,14 +634,25 @@ class Scheduler:
 
     def _calibrate(self) -> None:
         """Measure, before the first job, what choosing between the park and a prefill rests on:
-        the seconds a prefilled token costs and those a byte of parked state costs to check and import."""
+        the seconds a prefilled token costs and those a byte of parked state costs to check and import.
+        A job already waiting goes first: the first resumes measure the rates then."""
+        with self._cv:
+            if self._queue:
+                return
         first, second = self._free_seqs.pop(), self._free_seqs.pop()
         probe = np.arange(100, 100 + CALIBRATION_TOKENS, dtype=np.int32)
-        try:
-            positions, seqs = np.arange(len(probe), dtype=np.int32), np.full(len(probe), first, dtype=np.int32)
+        positions = np.arange(len(probe), dtype=np.int32)
+
+        def prefill_into(seq: int) -> float:
             started = time.perf_counter()
+            seqs = np.full(len(probe), seq, dtype=np.int32)
             self.engine.step(Step(probe, positions, seqs, np.zeros(len(probe), dtype=np.int8), []))
-            prefill = time.perf_counter() - started
+            return time.perf_counter() - started
+
+        try:
+            prefill_into(second)  # a context's first decode also sets up its buffers: not a rate
+            self.engine.truncate(second, 0)
+            prefill = prefill_into(first)
             state = self.engine.export(first)
             started = time.perf_counter()
             hashlib.blake2b(state, digest_size=16).digest()  # a parked file's check
