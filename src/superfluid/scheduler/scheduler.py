@@ -66,6 +66,7 @@ from .prefix_cache import PrefixCache, Seed, common_prefix
 log = logging.getLogger("superfluid.scheduler")
 
 QOS_CLASSES = 4
+TIERS = ("slot", "host", "park", "cold")  # where an admitted job's prefix came from, fastest first
 STARVATION_STEPS = 64
 HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this long is worth waiting for
 SHORT_PREFILL = 256  # a job with at most this much prompt left to prefill is short: it never waits for long ones
@@ -134,6 +135,7 @@ class Job:
     queued_at: int = 0  # the step it was queued at, for aging
     submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
     order: int = 0  # first come, first served within a class
+    session: int | None = None  # whose generation it is, for the views of the lanes; the scheduler ignores it
 
 
 @dataclass(eq=False)
@@ -161,6 +163,7 @@ class SchedulerStats:
     decode_tokens: int = 0
     warm_prefix_tokens: int = 0
     cold_admissions: int = 0
+    tier_hits: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # first admissions, by `TIERS`
     preemptions: int = 0
     held_for_prefix: int = 0
     evictions: int = 0
@@ -506,12 +509,12 @@ class Scheduler:
         resumed = self._resume(tokens, max(warm, hosted[1] if hosted else 0))
         if resumed is not None:
             seq, length = resumed
-            source = f"{length} warm from the park"
+            source, tier = f"{length} warm from the park", "park"
         elif hosted is not None and hosted[1] > warm + EXPORT_MIN_TOKENS:
             entry, length = hosted
             seq = self._import(entry.state, length)
             self.stats.imports += 1
-            source = f"{length} warm from host memory"
+            source, tier = f"{length} warm from host memory", "host"
         else:
             starved = not self._free_seqs and seed is not None and self.cache.victim(now, spare=seed.seq) is None
             if seed is not None and not seed.take and starved:
@@ -529,7 +532,7 @@ class Scheduler:
                     self.engine.copy(seed.seq, seq, seed.length)
                     self.cache.touch(seed.seq)
             length = seed.length if seed is not None else 0
-            source = "cold" if seed is None else f"{length} warm from slot {seed.seq}"
+            source, tier = ("cold", "cold") if seed is None else (f"{length} warm from slot {seed.seq}", "slot")
         try:
             self._open_sampling(job)
         except WorkerGone:
@@ -543,6 +546,7 @@ class Scheduler:
             job.warm_prefix = length
             self.stats.warm_prefix_tokens += length
             self.stats.cold_admissions += length == 0
+            self.stats.tier_hits[TIERS.index(tier)] += 1
             job.admitted = True
         feed = list(job.tokens[length:])
         if job.prefill_only:
@@ -559,12 +563,13 @@ class Scheduler:
         if job.shaping is not None and not job.shaping_handle:
             job.shaping_handle = self.engine.open_shaping(job.shaping, job.tokens[-REPEAT_WINDOW:])
 
-    def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, float]:
-        """Lower is better: keeps lanes consecutive, then spares idle entries (pinned and recent ones most)."""
+    def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, bool, float]:
+        """Lower is better: keeps lanes consecutive, then spares idle entries (pinned ones most, then
+        those that would need an export, then recent ones)."""
         entry = self.cache.entries.get(slot)
         if entry is None:
-            return (_runs(running | {slot}), 0, False, 0.0)
-        return (_runs(running | {slot}), 1, entry.pinned(now), entry.last_used)
+            return (_runs(running | {slot}), 0, False, False, 0.0)
+        return (_runs(running | {slot}), 1, entry.pinned(now), not self._saved(entry.tokens), entry.last_used)
 
     def _scatters(self, slot: int) -> bool:
         """True when a lane on `slot` would break the running lanes' run that another slot would not."""
@@ -599,10 +604,17 @@ class Scheduler:
         self._evict_slot(victim)
         return True
 
+    def _saved(self, tokens: np.ndarray) -> bool:
+        """True when the park already holds these tokens' state: their slot can go without an export."""
+        return self.park is not None and self.park.holds(tokens)
+
     def _evict_slot(self, victim: int) -> None:
-        """Empty an idle entry's slot, exporting the entry to host memory when it is worth it."""
+        """Empty an idle entry's slot, exporting the entry to host memory when it is worth it (an
+        export takes the engine for tens of milliseconds, while someone waits for the slot: an entry
+        the park holds is not exported again)."""
         entry = self.cache.remove(victim)
-        if len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None):
+        worth = len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None)
+        if worth and not self._saved(entry.tokens):
             # host memory first; the park takes what it cannot keep, on its own thread
             self.cache.host.add(entry.tokens, self.engine.export(victim))
             if self.cache.host.budget:
@@ -620,7 +632,8 @@ class Scheduler:
 
     def _park_idle(self, limit: int | None = None) -> None:
         """Hand the idle entries (at most `limit` of them) and host memory's not parked yet to the
-        park; where they are keeps them too."""
+        park; where they are keeps them too. An export takes the engine for a while, so a job that
+        arrives meanwhile stops the slots' exports: the rest are parked at the next idle moment."""
         assert self.park is not None
         unparked = [
             entry
@@ -628,6 +641,8 @@ class Scheduler:
             if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens)
         ]
         for entry in unparked[:limit]:
+            if self._queue and not self._stopping:
+                break
             self.park.put(entry.tokens, self.engine.export(entry.seq))
         for hosted in list(self.cache.host.entries.values()):
             self.park.put(hosted.tokens, hosted.state)
