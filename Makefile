@@ -41,7 +41,7 @@ else
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
 endif
 
-.PHONY: serve test bench peers chromium clean
+.PHONY: serve test bench peers system-packages clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/superfluid serve
 
-test: $(STAMP) chromium
+test: $(STAMP) system-packages
 	$(BIN)/ruff check src tests clients bench
 	$(BIN)/ruff format --check src tests clients bench
 	$(BIN)/pytest -q
@@ -79,11 +79,13 @@ $(PEERS)/fast/bin/llama-server: | $(STAMP)
 $(PEERS)/exact/bin/llama-batched-bench: | $(STAMP)
 	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
 
-# The browser test drives Debian's chromium with Playwright (no browser download).
-chromium:
-	@command -v chromium >/dev/null 2>&1 || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
-		{ echo "make test needs Debian's chromium for the browser test: apt-get install chromium"; exit 1; }
+# The browser tests drive Debian's chromium with Playwright (no browser download); the monitor's
+# smoke test runs `superfluid serve` on tmux's pseudo-terminal.
+SYSTEM_PACKAGES := chromium tmux
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || echo $$p; done); \
+	[ -z "$$missing" ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
+		{ echo "make test needs Debian's $$missing for the browser and terminal tests: apt-get install $$missing"; exit 1; }
 
 clean:
 	rm -rf $(VENV)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import shutil
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -12,9 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import WebDaemon, free_port
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PAGES = Path(__file__).parent / "browser"
 
 
@@ -44,26 +42,6 @@ def web(tmp_path_factory: pytest.TempPathFactory, pages: tuple[str, str]) -> Ite
     proc = WebDaemon(tmp_path_factory.mktemp("browser"), origins=(pages[0],)).start()
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), "Debian's chromium is needed: apt-get install chromium (make test does it)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        yield browser
-        browser.close()
 
 
 def open_chat(browser: Browser, origin: str, web: WebDaemon) -> tuple[str, str]:

@@ -65,7 +65,7 @@ def test_token_file_and_health(web: WebDaemon) -> None:
     assert len(web.token) == 64 and all(c in "0123456789abcdef" for c in web.token)
     health = httpx.get(f"{web.url}/web/health")
     assert health.status_code == 200 and health.content == b""
-    assert f"web: {web.url}/web/ (token in {token_file})" in web.log.read_text()
+    assert f"web: {web.url}/web/#token={web.token} (the token is also in {token_file})" in web.log.read_text()
 
 
 def test_a_new_token_at_every_start(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The `superfluid` command: `serve` runs the daemon; `session` and `media` talk to it."""
+"""The `superfluid` command: `serve` runs the daemon; `session` and `media` talk to it; `top` watches daemons."""
 
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     apply_environment(serve)
 
     _client_commands(commands)
+    top = commands.add_parser(
+        "top",
+        help="watch running daemons: one row each, from their /metrics",
+        description="Poll each daemon's /metrics once a second: whether it is up (or answers 401), its KV "
+        "pool, decode tok/s, lanes busy and queue depth, and the total decode rate as a sparkline. q quits.",
+        epilog="  superfluid top 127.0.0.1:8453\n  superfluid top --api-key $KEY gpu1:8453 gpu2:8453",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_argument("addresses", nargs="+", metavar="HOST:PORT", help="a daemon's HTTP listener (its --http)")
+    top.add_argument("--api-key", default=None, metavar="KEY", help="sent as a Bearer token, for keyed daemons")
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from .logsetup import parse_directive, setup_logging
+        from .logsetup import LogPane, parse_directive, setup_logging
         from .serve import run
         from .transports.access import load_policy
         from .transports.listener import split_address
@@ -140,14 +150,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         config = serve_config(args)
         config.keys = keys
-        setup_logging(config.log_filter, config.log_file, config.log_dir)
+        pane = LogPane() if config.tui else None
+        if pane is not None and config.log_dir is None:
+            config.log_dir = config.sessions / "logs"  # the pane scrolls away; the log stays on disk too
+        setup_logging(config.log_filter, config.log_file, config.log_dir, pane)
         for line in notices(args):
             print(f"superfluid: {line}", file=sys.stderr)
-        return run(config)
+        return run(config, pane)
     if args.command in ("session", "media"):
         from .commands import run as run_command
 
         return run_command(f"{args.command} {args.verb}", args)
+    if args.command == "top":
+        from .views.top import Top
+
+        Top(args.addresses, args.api_key).run()
+        return 0
     if args.command == "version":
         print(f"superfluid {__version__}")
         return 0

@@ -95,3 +95,4 @@ class ServeConfig:
     drain_timeout: float = 60.0
     log_file: Path | None = None
     log_dir: Path | None = None
+    tui: bool = False  # the terminal monitor (--tui; on by default when stdout is a terminal)

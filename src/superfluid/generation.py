@@ -95,7 +95,14 @@ class GenerationRun:
     ) -> None:
         self.session = session
         self.job = Job(
-            tokens, params, max_tokens, sink=self, qos=qos, batch_invariant=batch_invariant, ignore_eos=ignore_eos
+            tokens,
+            params,
+            max_tokens,
+            sink=self,
+            qos=qos,
+            batch_invariant=batch_invariant,
+            ignore_eos=ignore_eos,
+            session=session,
         )
         self.splitter = splitter
         self.listener = listener

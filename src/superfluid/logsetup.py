@@ -13,6 +13,7 @@ import json
 import logging
 import logging.handlers
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -67,15 +68,40 @@ class NumberedFiles(logging.handlers.RotatingFileHandler):
         return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def setup_logging(directive: str = "info", log_file: Path | None = None, log_dir: Path | None = None) -> None:
-    """Log to stderr, or appended to `log_file`; with `log_dir`, also as rotated JSON lines."""
-    stream: IO[str] = sys.stderr
+LINE_FORMAT = logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S")
+
+
+class LogPane(logging.Handler):
+    """Log lines for the terminal monitor's pane: formatted on the thread that logs, drawn by the monitor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.setFormatter(LINE_FORMAT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.put(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(
+    directive: str = "info", log_file: Path | None = None, log_dir: Path | None = None, pane: LogPane | None = None
+) -> None:
+    """Log to stderr, or appended to `log_file`; with `log_dir`, also as rotated JSON lines. With a
+    `pane` (the terminal monitor owns the terminal), the pane takes what stderr would."""
+    handlers: list[logging.Handler] = []
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         stream = open(log_file, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives as long as the process)
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S"))
-    handlers: list[logging.Handler] = [handler]
+        handlers.append(logging.StreamHandler(stream))
+    elif pane is None:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for handler in handlers:
+        handler.setFormatter(LINE_FORMAT)
+    if pane is not None:
+        handlers.append(pane)
     if log_dir is not None:
         files = NumberedFiles(log_dir)
         files.setFormatter(JsonLines())

@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .engine.channel import WorkerEngine
+from .protocol.schema import QOS_NAMES
+from .scheduler.scheduler import TIERS
 
 QUEUE_LABELS = ("interactive_chat", "inline_completion", "foreground_agent", "background_agent")
 
@@ -70,10 +72,26 @@ class _SchedulerCollector(Collector):
             ("host_cache_bytes", "Bytes of exported prefixes", lambda s: s.cache.host.bytes),
             ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.cache.host.budget),
             ("park_bytes", "Bytes of parked KV states on disk", lambda s: s.park.bytes if s.park else 0),
+            ("park_budget_bytes", "--park-budget-gb in bytes (0: unbounded)", lambda s: s.park.budget if s.park else 0),
             ("kv_slots", "KV slots (lanes and idle entries)", lambda s: s.engine.shape.sequences),
             ("kv_slot_tokens", "Tokens per KV slot (--max-context)", lambda s: s.engine.shape.window),
+            ("kv_tokens", "Tokens whose KV the slots hold, lanes' and idle entries'", lambda s: s.kv_tokens()),
+            ("tick_in_flight", "1 while a scheduler tick runs", lambda s: int(s.stats.tick_in_flight)),
+            (
+                "last_ttft_seconds",
+                "Submission to first token of the last job",
+                lambda s: s.stats.last_ttft_seconds or 0,
+            ),
         ):
             yield family(GaugeMetricFamily, name, doc, value)
+        hits = CounterMetricFamily(
+            "superfluid_prefix_hits", "Jobs admitted, by the tier their prefix came from", labels=["model", "tier"]
+        )
+        for runtime in runtimes:
+            for tier, count in zip(TIERS, runtime.scheduler.stats.tier_hits, strict=True):
+                hits.add_metric([runtime.id, tier], count)
+        yield hits
+        yield from self._lanes(runtimes)
         depth = GaugeMetricFamily("superfluid_queue_depth", "Jobs waiting, by QoS class", labels=["model", "class"])
         for runtime in runtimes:
             for label, value in zip(QUEUE_LABELS, runtime.scheduler.stats.queue_depth, strict=True):
@@ -89,9 +107,35 @@ class _SchedulerCollector(Collector):
             for runtime in workers:
                 metric.add_metric([runtime.id], getattr(runtime.engine, attr))
             yield metric
+        up = GaugeMetricFamily("superfluid_worker_up", "1 while the model's llama.cpp worker serves", labels=["model"])
+        for runtime in workers:
+            up.add_metric([runtime.id], int(runtime.engine.serving))
+        yield up
         yield GaugeMetricFamily(
             "superfluid_generations_running", "Generations in flight", value=len(self.daemon.running)
         )
+
+    @staticmethod
+    def _lanes(runtimes: list[Any]) -> Iterator[GaugeMetricFamily]:
+        """Two samples per running lane, labelled with its slot, session, class and phase (prefill or
+        decode): the tokens of its stream so far, and those it generated. Lanes are copied whole first."""
+        labels = ["model", "slot", "session", "class", "phase"]
+        stream = GaugeMetricFamily(
+            "superfluid_lane_tokens", "A running lane's tokens: prompt and reply so far", labels=labels
+        )
+        generated = GaugeMetricFamily(
+            "superfluid_lane_generated_tokens", "A running lane's generated tokens", labels=labels
+        )
+        for runtime in runtimes:
+            for lane in list(runtime.scheduler.lanes):
+                job = lane.job
+                session = "" if job.session is None else str(job.session)
+                phase = "decode" if job.generated else "prefill"
+                values = [runtime.id, str(lane.seq), session, QOS_NAMES[job.qos], phase]
+                stream.add_metric(values, len(lane.held) + len(lane.feed))
+                generated.add_metric(values, job.generated)
+        yield stream
+        yield generated
 
 
 class _KeyCollector(Collector):

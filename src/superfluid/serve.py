@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 from . import __version__
 from .config import ServeConfig
 from .daemon import Daemon
+from .logsetup import LogPane
 from .metrics import Metrics
 from .runtime import Models
 from .store.sessions import SessionStore
@@ -26,7 +28,7 @@ log = logging.getLogger("superfluid")
 IDLE_CHECK_S = 5.0
 
 
-async def serve(config: ServeConfig) -> int:
+async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
@@ -62,16 +64,16 @@ async def serve(config: ServeConfig) -> int:
         api_server = ApiServer(daemon, config.http, policy, config.api_key, config.keys, config.rate_limit)
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
-    print(
+    heading = (
         f"superfluid {__version__}: serving {default.id} ({default.model.path}) on {default.kernels} kernels"
         f" with {config.max_batch} lanes"
-        f" of {default.window} tokens; sessions {config.sessions} ({known} in the log); socket {config.socket}",
-        flush=True,
+        f" of {default.window} tokens; sessions {config.sessions} ({known} in the log); socket {config.socket}"
     )
+    print(heading, flush=True)
     for other in models.loaded()[1:]:
         print(f"also serving {other.id} ({other.model.path}) on {other.kernels} kernels", flush=True)
     if web_server is not None:
-        print(f"web: {url}/web/ (token in {token_path})", flush=True)
+        print(f"web: {web_server.page_url(url)} (the token is also in {token_path})", flush=True)
     if api_server is not None:
         print(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)", flush=True)
         if not api_server.gate.keyed:
@@ -85,6 +87,7 @@ async def serve(config: ServeConfig) -> int:
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, drain.set)
     idle = asyncio.create_task(_unload_idle(models, config.idle_timeout)) if config.idle_timeout else None
+    monitor = _start_monitor(daemon, heading, pane, stop) if config.tui else None
     try:
         await _first(stop.wait(), drain.wait())
         if drain.is_set() and not stop.is_set():
@@ -92,6 +95,8 @@ async def serve(config: ServeConfig) -> int:
     finally:
         if idle is not None:
             idle.cancel()
+        if monitor is not None:
+            await _stop_monitor(*monitor)
         log.info("stopping")
         daemon.bus.close()
         await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
@@ -103,6 +108,29 @@ async def serve(config: ServeConfig) -> int:
         daemon.stop()
         store.close()
     return 0
+
+
+def _start_monitor(
+    daemon: Daemon, heading: str, pane: LogPane | None, stop: asyncio.Event
+) -> tuple[Any, asyncio.Task[Any]]:
+    """The terminal monitor, running in this event loop; the daemon stops when the user quits it."""
+    from .views.monitor import Monitor  # Textual loads only when the monitor is shown
+
+    async def read() -> str:
+        return daemon.metrics.exposition()
+
+    app = Monitor(read, heading, pane)
+    task = asyncio.create_task(app.run_async())
+    task.add_done_callback(lambda _: stop.set())
+    return app, task
+
+
+async def _stop_monitor(app: Any, task: asyncio.Task[Any]) -> None:
+    """Close the monitor (the terminal is given back) before the daemon's own stop."""
+    if not task.done():
+        app.exit()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 5)
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
@@ -142,9 +170,9 @@ async def _unload_idle(models: Models, idle_s: float) -> None:
         await asyncio.to_thread(models.unload_idle, idle_s)
 
 
-def run(config: ServeConfig) -> int:
+def run(config: ServeConfig, pane: LogPane | None = None) -> int:
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, pane))
     except KeyboardInterrupt:
         return 0
     except Exception as e:  # start-up failures: say what and exit 1

@@ -423,8 +423,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     logging.add_argument(
         "--tui",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="the terminal monitor; superfluid has none yet, so --tui says so and logs to stderr",
+        default=None,
+        help="a live full-screen monitor of lanes, KV tiers, rates and the log (default: on when stdout is a "
+        "terminal); its log pane replaces stderr, and without --log-dir the log also goes to <sessions>/logs",
     )
 
     for flag, value in RETIRED.items():
@@ -513,6 +514,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         drain_timeout=args.drain_timeout,
         log_file=args.log_file,
         log_dir=args.log_dir,
+        tui=sys.stdout.isatty() if args.tui is None else args.tui,
     )
     if args.sessions is not None:
         config.sessions = args.sessions.expanduser()
@@ -528,8 +530,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def notices(args: argparse.Namespace) -> Sequence[str]:
     """One line each for flags that are accepted but do nothing yet."""
     out = []
-    if args.tui:
-        out.append("--tui: superfluid has no terminal monitor yet; logging to stderr")
     if args.speculate != "off":
         out.append(f"--speculate {args.speculate}: speculative decoding is not built yet; decoding token by token")
     return out

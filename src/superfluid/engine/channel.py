@@ -151,6 +151,11 @@ class WorkerEngine:
         self.start()
         log.info("a new llama.cpp worker (pid %d) serves %s", self.pid, self.model_path.name)
 
+    @property
+    def serving(self) -> bool:
+        """True while a worker is up: started and not seen dead."""
+        return self._proc is not None and self._proc.poll() is None
+
     def abandon_restart(self) -> None:
         """A restart in progress starts no worker: its model is being unloaded."""
         self._abandoned.set()

@@ -2,8 +2,11 @@
 
 Routes: `POST /web/rpc` (one request, one reply), `POST /web/stream` (a generation as
 server-sent events), `GET /web/ws` (a WebSocket carrying every request, streaming ones
-included) and `GET /web/health`. The listener binds loopback only and every route but
-health needs the token minted at start into `<sessions>/web-token` (mode 0600):
+included), `GET /web/health`, and `GET /web/` with its two files: the browser UI, a static
+page that signs in with the token in its address's fragment (`/web/#token=...`, which the
+browser never sends) and then uses /web/ws only; the page's own origin is allowed there. The
+listener binds loopback only and every route but health and the page needs the token minted
+at start into `<sessions>/web-token` (mode 0600):
 
 - /web/rpc and /web/stream: `Authorization: Bearer <token>` (401 otherwise), any
   `Origin` listed by --web-origin and `X-Superfluid-CSRF: <token>` (403 otherwise);
@@ -28,7 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..daemon import STREAMED, Daemon, DaemonError
@@ -50,6 +53,20 @@ WS_INBOUND_QUEUE = 32
 KEEPALIVE_S = 15.0
 LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
 STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (/web/stream), not /web/rpc"
+PAGE = Path(__file__).resolve().parent.parent / "views" / "web"
+PAGE_FILES = {
+    "": ("index.html", "text/html"),
+    "app.js": ("app.js", "text/javascript"),
+    "app.css": ("app.css", "text/css"),
+}
+# the page loads only its own files and talks only to its own origin's /web/ws
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self' ws: wss:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 
 
 class StreamRequest(Struct):
@@ -175,15 +192,33 @@ def _frame(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def own_origins(port: int) -> list[str]:
+    """The origins the UI page has when this listener serves it on `port`."""
+    return [f"http://{host}:{port}" for host in LOOPBACK_HOSTS]
+
+
 def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
     """The /web/* routes over one daemon."""
     app = FastAPI(title="superfluid session API (browser transport)", docs_url=None, redoc_url=None)
     auth = WebAuth(token, origins)
+    app.state.auth = auth
     rpc_bucket = TokenBucket()
 
     @app.get("/web/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/web")
+    async def page_root() -> Response:
+        return RedirectResponse("/web/", status_code=308)
+
+    @app.get("/web/{name:path}")
+    async def page(name: str) -> Response:
+        found = PAGE_FILES.get(name)
+        if found is None:
+            return _err(404, f"no page file {name!r}: the UI is at /web/")
+        filename, media_type = found
+        return FileResponse(PAGE / filename, media_type=media_type, headers=PAGE_HEADERS)
 
     async def checked(request: HttpRequest, tp: Any, what: str) -> tuple[Any, Any] | Response:
         """The body, parsed and decoded as `tp`, or the response refusing the request."""
@@ -335,4 +370,15 @@ class WebServer(HttpListener):
 
     def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str]) -> None:
         host, port = parse_web_address(address)
-        super().__init__(create_app(daemon, token, origins), host, port, "the browser transport")
+        self.token = token
+        self.app = create_app(daemon, token, origins)
+        super().__init__(self.app, host, port, "the browser transport")
+
+    async def start(self) -> str:
+        url = await super().start()
+        self.app.state.auth.origins.update(own_origins(int(url.rsplit(":", 1)[1])))
+        return url
+
+    def page_url(self, url: str) -> str:
+        """The address that opens the UI signed in."""
+        return f"{url}/web/#token={self.token}"
