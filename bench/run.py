@@ -3,9 +3,9 @@
     make bench                                  # builds the peers once (a few minutes), then runs all
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
-    .venv/bin/python bench/run.py --only http   # one section: engine, http or socket
+    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park or ui
 
-Four sections, one system at a time, never two at once:
+Five sections, one system at a time, never two at once:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -19,7 +19,9 @@ Four sections, one system at a time, never two at once:
   agents, memory inside its flags;
 - park: a 2,000-token session's next first token after a SIGKILL, after a clean stop and
   after its worker's SIGKILL (its KV parked on disk), against a cold prefill of it; and 200
-  idle 1,000-token sessions on slots for 20, resumed oldest first from the park.
+  idle 1,000-token sessions on slots for 20, resumed oldest first from the park;
+- ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
+  soon a streamed reply's committed tokens reach the page (bench/ui.py).
 Performance claims in the README come from this script, not from tests.
 """
 
@@ -43,6 +45,7 @@ import llama_cpp as L
 import load
 import numpy as np
 from peer import LlamaServer, Superfluid, batched_bench
+from ui import ui_figures
 
 from superfluid.client import SocketClient
 from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
@@ -723,6 +726,9 @@ def http_results(
     return results
 
 
+SECTIONS = ("engine", "http", "socket", "park", "ui")
+
+
 def report(results: list[Result]) -> None:
     width = max(len(r.name) for r in results)
     for r in results:
@@ -734,12 +740,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--peers", type=Path, help="where `make peers` built llama-server and llama-batched-bench")
-    parser.add_argument("--only", choices=["engine", "http", "socket", "park"], help="run one section")
+    parser.add_argument("--only", choices=SECTIONS, help="run one section")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for every system")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="superfluid-bench-"))
     results: list[Result] = []
-    sections = [args.only] if args.only else ["engine", "http", "socket", "park"]
+    sections = [args.only] if args.only else list(SECTIONS)
     fastest: dict[int, float] = {}
     if "engine" in sections:
         if args.peers is None:
@@ -753,6 +759,10 @@ def main() -> int:
         results += socket_section(args.quick, root, fastest, args.threads)
     if "park" in sections:
         results += park_section(root, args.threads, args.quick)
+    if "ui" in sections:
+        print("ui: the browser UI in headless Chromium", flush=True)
+        for name, value, limit, detail in ui_figures(root, args.quick):
+            results.append(Result(name, value, f"<= {limit:g}", value <= limit, detail))
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1

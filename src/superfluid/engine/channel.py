@@ -91,8 +91,10 @@ class WorkerEngine:
         self._served = False
         self._stopping = False
         self._abandoned = threading.Event()  # a restart waiting out its backoff gives up when this is set
-        # the scheduler's thread makes most calls, HTTP routes' threads embed: one call on the channel at a time
-        self._calling = threading.Lock()
+        # the scheduler's thread makes most calls, HTTP routes' threads embed: one call on the channel at a
+        # time (a KV state's trip through the shared region holds it around its call)
+        self._calling = threading.RLock()
+        self._shared = wire.SharedRegion()  # kept across workers: each new one maps the same file
         # a step's time in all, and its time inside the worker: the difference is the channel's cost
         self.step_seconds = 0.0
         self.worker_seconds = 0.0
@@ -103,11 +105,12 @@ class WorkerEngine:
         """Start a worker and wait until its model is loaded; WorkerFailed with its reason otherwise."""
         ours, theirs = socket.socketpair()
         command = [*_command(), "--fd", str(theirs.fileno()), "--model", str(self.model_path)]
+        command += ["--shared-fd", str(self._shared.fd)]
         command += ["--window", str(self.shape.window), "--sequences", str(self.shape.sequences)]
         command += ["--batch", str(self.shape.batch), "--threads", str(self.shape.threads)]
         environment = {**worker_environment(), **self.environment}
         try:
-            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=environment)
+            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._shared.fd), env=environment)
         finally:
             theirs.close()
         ours.settimeout(READY_TIMEOUT_S)
@@ -171,6 +174,7 @@ class WorkerEngine:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        self._shared.close()
 
     def exit_description(self) -> str:
         status = None
@@ -227,10 +231,14 @@ class WorkerEngine:
         self._call(wire.TRUNCATE, wire.ints(seq, length))
 
     def export(self, seq: int) -> bytes:
-        return bytes(self._call(wire.EXPORT, wire.ints(seq)))
+        with self._calling:
+            (size,) = wire.read_ints(self._call(wire.EXPORT, wire.ints(seq)), 1)
+            return bytes(self._shared.view(size))  # the host tier's copy: it outlives the worker
 
     def restore(self, seq: int, data: bytes) -> None:
-        self._call(wire.RESTORE, wire.ints(seq) + data)
+        with self._calling:
+            self._shared.view(len(data))[:] = data
+            self._call(wire.RESTORE, wire.ints(seq, len(data)))
 
     def open_grammar(self, gbnf: str) -> int:
         (handle,) = wire.read_ints(self._call(wire.OPEN_GRAMMAR, gbnf.encode("utf-8")), 1)

@@ -341,18 +341,32 @@ class LlamaContext:
 
     def export(self, seq: int) -> bytes:
         """The KV state of `seq`, to keep in host memory."""
-        self._settled(seq, "exported")
-        size = L.llama_state_seq_get_size(self._ctx, seq)
-        data = bytearray(size)
-        written = L.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
-        return bytes(memoryview(data)[:written])
+        data = bytearray(self.export_size(seq))
+        return bytes(memoryview(data)[: self.export_into(seq, memoryview(data))])
 
-    def restore(self, seq: int, data: bytes) -> None:
+    def export_size(self, seq: int) -> int:
+        """The bytes `export_into` may write for `seq`."""
+        return L.llama_state_seq_get_size(self._ctx, seq)
+
+    def export_into(self, seq: int, buffer: memoryview) -> int:
+        """Write the KV state of `seq` into `buffer` (at least `export_size` long); the bytes written."""
+        self._settled(seq, "exported")
+        target = (ctypes.c_uint8 * len(buffer)).from_buffer(buffer)
+        try:
+            return L.llama_state_seq_get_data(self._ctx, target, len(buffer), seq)
+        finally:
+            del target  # the buffer may be remapped later: nothing may keep it exported
+
+    def restore(self, seq: int, data: bytes | memoryview) -> None:
         """Load a state from `export` into `seq` (which must be empty)."""
         self._settled(seq, "restored")
-        buf = (ctypes.c_uint8 * len(data)).from_buffer(bytearray(data))
-        if L.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
-            raise KVFull("no room in the KV pool to restore a cached prefix")
+        view = memoryview(data)
+        source = (ctypes.c_uint8 * len(view)).from_buffer(view if not view.readonly else bytearray(view))
+        try:
+            if L.llama_state_seq_set_data(self._ctx, source, len(view), seq) == 0:
+                raise KVFull("no room in the KV pool to restore a cached prefix")
+        finally:
+            del source
 
     def close(self) -> None:
         if self._ctx:

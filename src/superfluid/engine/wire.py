@@ -6,12 +6,16 @@ header and numpy arrays (the batch's token ids, positions, sequence ids and logi
 then one packed record per draw) and comes back as how many tokens each draw drew and
 their ids, so a tick's traffic is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
 probabilities add a fixed-size record each to the reply. A job's shaping (bias, penalties,
-how many log probabilities) travels once, when it is opened. KV exports travel as raw bytes,
-and so do an embedding's token ids and the vector it comes back as.
+how many log probabilities) travels once, when it is opened. An embedding's token ids and
+the vector it comes back as travel as raw bytes. KV states (tens of megabytes) do not cross
+the socket: both sides map one memory file (`SharedRegion`), llama.cpp writes an export
+straight into it and reads an import straight from it, and the frames carry their sizes.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import socket
 import struct
 
@@ -60,6 +64,37 @@ _LENGTH = struct.Struct("<I")
 
 class ChannelClosed(ConnectionError):
     """The other end of the channel is gone."""
+
+
+class SharedRegion:
+    """A memory file both ends of a channel map, for KV states: it grows (by whichever side needs
+    more room) in steps of `GROWTH` bytes, and each side maps what the file holds when it needs it.
+    Pages are taken only as they are written."""
+
+    GROWTH = 64 << 20
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = os.memfd_create("superfluid-kv", 0) if fd is None else fd
+        self._map: mmap.mmap | None = None
+
+    def view(self, size: int) -> memoryview:
+        """The first `size` bytes, writable; the file grows first when it is shorter."""
+        if os.fstat(self.fd).st_size < size:
+            os.ftruncate(self.fd, -(-size // self.GROWTH) * self.GROWTH)
+        if self._map is None or len(self._map) < size:
+            if self._map is not None:
+                self._map.close()
+            self._map = mmap.mmap(self.fd, os.fstat(self.fd).st_size)
+        return memoryview(self._map)[:size]
+
+    def close(self) -> None:
+        """Unmap it and close the file: its pages are freed once the other side has done the same."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def send(sock: socket.socket, kind: int, payload: bytes = b"") -> None:

@@ -26,7 +26,7 @@ from .llama import ContextShape, EngineError, KVFull, LlamaContext, LlamaModel
 from .local import LocalEngine
 
 
-def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
+def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: memoryview) -> bytes:
     """One call; its reply payload."""
     if kind == wire.STEP:
         started = time.perf_counter()
@@ -39,11 +39,13 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     if kind == wire.TRUNCATE:
         engine.truncate(*wire.read_ints(payload, 2))
         return b""
-    if kind == wire.EXPORT:
-        return engine.export(*wire.read_ints(payload, 1))
-    if kind == wire.RESTORE:
+    if kind == wire.EXPORT:  # into the shared region; the reply says how many bytes
         (seq,) = wire.read_ints(payload, 1)
-        engine.restore(seq, bytes(payload[8:]))
+        context = engine.context
+        return wire.ints(context.export_into(seq, shared.view(context.export_size(seq))))
+    if kind == wire.RESTORE:  # from the shared region: (seq, bytes)
+        seq, size = wire.read_ints(payload, 2)
+        engine.restore(seq, shared.view(size))
         return b""
     if kind == wire.OPEN_GRAMMAR:
         return wire.ints(engine.open_grammar(bytes(payload).decode("utf-8")))
@@ -61,7 +63,7 @@ def _serve(engine: LocalEngine, kind: int, payload: memoryview) -> bytes:
     raise EngineError(f"unknown call {kind}")
 
 
-def serve(channel: socket.socket, model_path: Path, shape: ContextShape) -> int:
+def serve(channel: socket.socket, shared: wire.SharedRegion, model_path: Path, shape: ContextShape) -> int:
     try:
         engine = LocalEngine(LlamaContext(LlamaModel(model_path), shape))
     except EngineError as e:
@@ -71,15 +73,15 @@ def serve(channel: socket.socket, model_path: Path, shape: ContextShape) -> int:
     while True:
         try:
             kind, payload = wire.receive(channel)
-            wire.send(channel, *_answer(engine, kind, payload))
+            wire.send(channel, *_answer(engine, shared, kind, payload))
         except ConnectionError:
             return 0  # the daemon stopped, or died
 
 
-def _answer(engine: LocalEngine, kind: int, payload: memoryview) -> tuple[int, bytes]:
+def _answer(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: memoryview) -> tuple[int, bytes]:
     """The reply frame to one request frame: OK with its payload, or why it failed."""
     try:
-        return wire.OK, _serve(engine, kind, payload)
+        return wire.OK, _serve(engine, shared, kind, payload)
     except KVFull as e:
         return wire.KV_FULL, str(e).encode()
     except (EngineError, GrammarError) as e:
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         description="A llama.cpp worker of the superfluid daemon; the daemon starts it, people do not.",
     )
     parser.add_argument("--fd", type=int, required=True, help="the worker's end of the daemon's socket pair")
+    parser.add_argument("--shared-fd", type=int, required=True, help="the memory file KV states travel in")
     parser.add_argument("--model", type=Path, required=True, help="the GGUF file")
     parser.add_argument("--window", type=int, required=True, help="tokens per KV slot")
     parser.add_argument("--sequences", type=int, required=True, help="KV slots")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle; it closes the channel
     channel = socket.socket(fileno=args.fd)
     shape = ContextShape(args.window, args.sequences, args.batch, args.threads)
-    return serve(channel, args.model, shape)
+    return serve(channel, wire.SharedRegion(args.shared_fd), args.model, shape)
 
 
 if __name__ == "__main__":

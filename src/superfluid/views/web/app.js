@@ -366,6 +366,7 @@ const ui = {
   provisionalFrames: 0, // text ahead of its commit, frames shown
   painted: null, // ms from navigation to the selected session's first rows on screen
   pinned: 0,
+  activity: new Map(), // session id -> {events, when}: its last event's time, for the list
 };
 
 function status(text, state = "ok") {
@@ -415,11 +416,15 @@ function drawSessions() {
 
 async function lastActivity(summaries) {
   for (const s of summaries) {
-    if (!s.events) continue;
-    const events = expect(await call({ Read: { session: s.id, cursor: s.events - 1 } }), "Events").events;
-    const when = events.length ? new Date(events[events.length - 1].ts_unix_ms) : null;
+    let known = ui.activity.get(s.id);
+    if (s.events && known?.events !== s.events) {
+      // read only the last event, and again only when the session has grown
+      const events = expect(await call({ Read: { session: s.id, cursor: s.events - 1 } }), "Events").events;
+      known = { events: s.events, when: events.length ? new Date(events[events.length - 1].ts_unix_ms) : null };
+      ui.activity.set(s.id, known);
+    }
     const node = document.querySelector(`#sessions li[data-id="${s.id}"] .when`);
-    if (node && when) node.textContent = ` · ${when.toLocaleString()}`;
+    if (node && known?.when) node.textContent = ` · ${known.when.toLocaleString()}`;
   }
 }
 
