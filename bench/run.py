@@ -3,9 +3,9 @@
     make bench                                  # builds the peers once (a few minutes), then runs all
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
-    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park or ui
+    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, spec or ui
 
-Five sections, one system at a time, never two at once:
+Six sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -20,6 +20,8 @@ Five sections, one system at a time, never two at once:
 - park: a 2,000-token session's next first token after a SIGKILL, after a clean stop and
   after its worker's SIGKILL (its KV parked on disk), against a cold prefill of it; and 200
   idle 1,000-token sessions on slots for 20, resumed oldest first from the park;
+- spec: speculative decoding (`--speculate prompt-lookup` and `auto`) against none, rewriting a
+  module and chatting, at 1, 4 and 8 streams (bench/spec.py);
 - ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
   soon a streamed reply's committed tokens reach the page (bench/ui.py).
 Performance claims in the README come from this script, not from tests.
@@ -45,6 +47,7 @@ import llama_cpp as L
 import load
 import numpy as np
 from peer import LlamaServer, Superfluid, batched_bench
+from spec import spec_figures
 from ui import ui_figures
 
 from superfluid.client import SocketClient
@@ -726,7 +729,7 @@ def http_results(
     return results
 
 
-SECTIONS = ("engine", "http", "socket", "park", "ui")
+SECTIONS = ("engine", "http", "socket", "park", "spec", "ui")
 
 
 def report(results: list[Result]) -> None:
@@ -759,6 +762,10 @@ def main() -> int:
         results += socket_section(args.quick, root, fastest, args.threads)
     if "park" in sections:
         results += park_section(root, args.threads, args.quick)
+    if "spec" in sections:
+        print("spec: speculative decoding against none", flush=True)
+        for name, value, target, passed, detail in spec_figures(root, args.quick, args.threads):
+            results.append(Result(name, value, target, passed, detail))
     if "ui" in sections:
         print("ui: the browser UI in headless Chromium", flush=True)
         for name, value, limit, detail in ui_figures(root, args.quick):

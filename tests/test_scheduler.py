@@ -14,6 +14,7 @@ from superfluid.engine.local import Step
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
+from superfluid.scheduler.speculate import HOLD_STEPS, PROBE_STEPS, PromptLookup, SpecGate, SpecSettings
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -23,10 +24,21 @@ def _next(held: list[int]) -> int:
     return 1 + (sum(held) * 31 + len(held)) % (VOCAB - 1)
 
 
-class FakeContext:
-    """An engine whose slots hold token lists; each greedy draw is a pure function of the slot's whole content."""
+def _cycle(held: list[int]) -> int:
+    """A model that repeats the stream's token 7 places back: what prompt lookup drafts well."""
+    return held[-7] if len(held) >= 7 else 1 + len(held)
 
-    def __init__(self, sequences: int, window: int = 256, batch: int = 512, delay: float = 0.0) -> None:
+
+class FakeContext:
+    """An engine whose slots hold token lists; each greedy draw is a pure function of the slot's whole content.
+
+    A draw that verifies a draft takes each drafted row while its token is the one drawn before
+    it, as the engine does, and the slot loses the rows that did not stand."""
+
+    def __init__(
+        self, sequences: int, window: int = 256, batch: int = 512, delay: float = 0.0, model: object = _next
+    ) -> None:
+        self.model = model
         self.shape = ContextShape(window, sequences, batch, 1)
         self.end_of_generation = np.eye(1, VOCAB, 0, dtype=bool)[0]  # token 0 ends a turn; draws never pick it
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
@@ -43,18 +55,33 @@ class FakeContext:
         self.copying.clear()
         self.batches.append({int(s) for s in step.seqs})
         drawn: list[list[int]] = []
+        rows: list[tuple[int, int]] = []  # (seq, what the row's draw would pick), by draw
         for token, position, seq, wanted in zip(step.tokens, step.positions, step.seqs, step.want, strict=True):
             held = self.slots[int(seq)]
             assert position == len(held), f"slot {seq} holds {len(held)} positions, decode wrote at {position}"
             held.append(int(token))
             if wanted:
-                draw = step.draws[len(drawn)]
+                draw = step.draws[len(rows)]
                 assert draw.position == len(held), "a draw is keyed by its token's position"
-                run = [_next(held)]
-                while len(run) < draw.run:
-                    held.append(run[-1])  # decoded in the same call, as a run in the engine is
-                    run.append(_next(held))
-                drawn.append(run)
+                rows.append((int(seq), self.model(held)))  # type: ignore[operator]
+        tokens = [int(t) for t, w in zip(step.tokens, step.want, strict=True) if w]
+        for i, draw in enumerate(step.draws):
+            if len(drawn) > i:
+                continue
+            seq, pick = rows[i]
+            run = [pick]
+            for j in range(1, draw.verify + 1):
+                if run[-1] != tokens[i + j]:
+                    break
+                run.append(rows[i + j][1])
+            if draw.verify:
+                del self.slots[seq][draw.position + len(run) - 1 :]  # the drafts that did not stand
+            held = self.slots[seq]
+            while len(run) < draw.run:
+                held.append(run[-1])  # decoded in the same call, as a run in the engine is
+                run.append(self.model(held))  # type: ignore[operator]
+            drawn.append(run)
+            drawn += [[] for _ in range(draw.verify)]
         return drawn
 
     def open_grammar(self, gbnf: str) -> int:
@@ -395,3 +422,87 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
         assert sink.finish == FINISH_LENGTH and len(prompt) + len(sink.out) == 64, "nor past the window"
     finally:
         window.stop()
+
+
+def speculating(mode: str, model: object, *, exact: bool = True, delay: float = 0.0) -> Scheduler:
+    settings = SpecSettings(mode, draft_tokens=4, adaptive=True, min_speedup=1.08, exact=exact)
+    scheduler = Scheduler(FakeContext(sequences=4, window=512, delay=delay, model=model), lanes=2, window=512)
+    scheduler.speculation = settings
+    scheduler.gate = SpecGate(settings.min_speedup) if mode == "auto" else None
+    return scheduler
+
+
+def generate_on(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int, **kw: object) -> list[list[int]]:
+    scheduler.start()
+    try:
+        runs = [started(scheduler, prompt, max_tokens, **kw) for prompt in prompts]
+        for _, sink in runs:
+            assert sink.done.wait(30)
+        return [sink.out for _, sink in runs]
+    finally:
+        scheduler.stop()
+
+
+def test_drafts_verified_in_the_decode_give_the_tokens_of_plain_decoding() -> None:
+    prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4], [8, 6, 2, 5, 11, 13, 8, 6]]
+    for model in (_cycle, _next):
+        plain = generate_on(
+            Scheduler(FakeContext(sequences=4, window=512, model=model), lanes=2, window=512), prompts, 60
+        )
+        drafting = speculating("prompt-lookup", model)
+        spoken = generate_on(drafting, prompts, 60)
+        assert spoken == plain, model
+        assert all(len(out) == 60 for out in spoken)
+        stats = drafting.stats
+        if model is _cycle:
+            assert stats.spec_accepted > 0.8 * stats.spec_proposed > 0, "a repeating stream is drafted and taken"
+            assert stats.steps < 60, "accepted drafts save decodes"
+
+
+def test_a_batch_invariant_lane_drafts_only_on_exact_kernels() -> None:
+    prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4]]
+    fast = speculating("prompt-lookup", _cycle, exact=False)
+    generate_on(fast, prompts, 30, batch_invariant=True)
+    assert fast.stats.spec_proposed == 0, "its verified tokens would come from a batch its uncut run never had"
+    exact = speculating("prompt-lookup", _cycle, exact=True)
+    generate_on(exact, prompts, 30, batch_invariant=True)
+    assert exact.stats.spec_proposed > 0
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_earlier_occurrence() -> None:
+    lookup = PromptLookup()
+    assert lookup.draft([1, 2, 3, 4, 5, 1, 2], 3, 4) == [4, 5, 1, 2], "after the trigram 1 2 3"
+    assert PromptLookup().draft([7, 8, 9, 4, 8], 9, 3) == [4, 8, 9], "after the bigram 8 9, running into the end"
+    assert PromptLookup().draft([1, 2, 3, 4], 5, 4) == [], "nothing to follow"
+    grown = PromptLookup()
+    stream = [5, 6, 7, 8]
+    assert grown.draft(stream, 9, 2) == []
+    stream += [9, 5, 6]
+    assert grown.draft(stream, 7, 2) == [8, 9], "the index grows with the stream"
+
+
+def test_the_gate_keeps_drafts_only_where_they_pay() -> None:
+    gate = SpecGate(1.08)
+    assert not gate.allows(), "it measures without drafts first"
+    for _ in range(PROBE_STEPS):
+        gate.record(8, 0.010)  # 800 tok/s without
+    assert gate.allows(), "then with them"
+    for _ in range(PROBE_STEPS):
+        gate.record(12, 0.013)  # 923 tok/s with: 1.15x
+    assert gate.phase == "hold" and gate.allows() and gate.speedup == pytest.approx(923 / 800, rel=0.01)
+    for _ in range(HOLD_STEPS):
+        gate.record(12, 0.013)
+    assert gate.phase == "off", "it measures again after a while"
+    for _ in range(PROBE_STEPS):
+        gate.record(8, 0.010)
+    for _ in range(PROBE_STEPS):
+        gate.record(8, 0.0105)  # drafts that are never taken only slow the step
+    assert gate.phase == "hold" and not gate.allows()
+
+
+def test_auto_stops_drafting_where_drafts_are_not_taken() -> None:
+    prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4]]
+    scheduler = speculating("auto", _next, delay=0.001)
+    out = generate_on(scheduler, prompts, 400)
+    assert out == generate_on(Scheduler(FakeContext(sequences=4, window=512), lanes=2, window=512), prompts, 400)
+    assert scheduler.gate is not None and scheduler.gate.phase == "hold" and not scheduler.gate.drafting

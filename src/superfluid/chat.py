@@ -96,6 +96,7 @@ class Outcome:
     cached_tokens: int
     stopped_by: str | None = None  # the stop string that ended it
     error: str | None = None
+    spec: tuple[int, int] = (0, 0)  # drafted tokens proposed and accepted (speculative decoding)
 
 
 @dataclass
@@ -258,6 +259,7 @@ class ChatRun:
                         outcome.warm_prefix,
                         stopped_by=stops.hit,
                         error=outcome.error,
+                        spec=outcome.spec,
                     )
         finally:
             if not ended:

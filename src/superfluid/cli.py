@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .config import default_socket
-from .serve_flags import add_serve_arguments, apply_environment, http_address, notices, serve_config
+from .serve_flags import add_serve_arguments, apply_environment, http_address, serve_config
 
 DESCRIPTION = """\
 superfluid serves a local LLM whose conversations outlive crashes and restarts, fork
@@ -154,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         if pane is not None and config.log_dir is None:
             config.log_dir = config.sessions / "logs"  # the pane scrolls away; the log stays on disk too
         setup_logging(config.log_filter, config.log_file, config.log_dir, pane)
-        for line in notices(args):
-            print(f"superfluid: {line}", file=sys.stderr)
         return run(config, pane)
     if args.command in ("session", "media"):
         from .commands import run as run_command

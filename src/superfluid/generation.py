@@ -56,6 +56,7 @@ class Done:
     finish: int
     warm_prefix: int
     error: str | None = None
+    spec: tuple[int, int] = (0, 0)  # drafted tokens proposed and accepted (speculative decoding)
 
 
 Outcome = Committed | Provisional | Done
@@ -222,7 +223,11 @@ class GenerationRun:
 
     def conclude(self) -> None:
         error = (self.error or "generation failed") if self.finish == FINISH_ERROR else None
-        self.listener.put(Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix, error))
+        spec = self.job.spec
+        drafts = (spec.proposed, spec.accepted) if spec is not None else (0, 0)
+        self.listener.put(
+            Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix, error, drafts)
+        )
 
 
 def _tool_record(call_text: str) -> EventBody:

@@ -57,6 +57,8 @@ class _SchedulerCollector(Collector):
             ("cache_imports", "imports", "Prefixes imported back from host memory"),
             ("worker_respawns", "respawns", "llama.cpp workers started again after one died"),
             ("prefix_holds", "held_for_prefix", "Steps a job waited for a lane prefilling its prefix"),
+            ("spec_proposed", "spec_proposed", "Drafted tokens put into decodes (speculative decoding)"),
+            ("spec_accepted", "spec_accepted", "Drafted tokens the lanes would have drawn anyway"),
         ):
             yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.stats, f))
         for name, field, doc in (

@@ -28,6 +28,7 @@ from .model.resolve import ModelNotFound, resolve_model
 from .model.template import CHATML, ChatTemplate
 from .scheduler.park import Park, default_budget, park_fingerprint
 from .scheduler.scheduler import Scheduler
+from .scheduler.speculate import SpecSettings
 
 log = logging.getLogger("superfluid")
 
@@ -176,6 +177,13 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         host_cache_bytes=config.host_cache_mb << 20,
         class_lanes=config.class_lanes,
         park=park,
+        speculation=SpecSettings(
+            config.speculate,
+            config.spec_draft_tokens,
+            config.spec_adaptive,
+            config.spec_min_speedup,
+            kernels == "exact",
+        ),
     )
     if isinstance(engine, WorkerEngine):
         engine.on_death = scheduler.worker_died

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +104,12 @@ def _speculate(text: str) -> str:
             f"{text!r} is not a strategy llama.cpp models can use; choose one of {', '.join(SPECULATE)}"
         )
     return text
+
+
+def _draft_tokens(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 15:
+        raise argparse.ArgumentTypeError(f"{text!r}: a draft holds 1 to 15 tokens")
+    return int(text)
 
 
 def _class_lanes(text: str) -> dict[int, int]:
@@ -325,7 +330,30 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         type=_speculate,
         default="off",
         metavar="MODE",
-        help=f"speculative decoding: {', '.join(SPECULATE)} (default: off)",
+        help="speculative decoding by prompt lookup: drafts of a lane's next tokens from its own stream, verified "
+        "in the lane's next decode; prompt-lookup always drafts, auto drafts while measured decode is at least "
+        "--spec-min-speedup faster, off never (default: off)",
+    )
+    generation.add_argument(
+        "--spec-draft-tokens",
+        type=_draft_tokens,
+        default=4,
+        metavar="N",
+        help="the most tokens one draft holds, 1 to 15 (default: 4)",
+    )
+    generation.add_argument(
+        "--spec-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shorten a lane's drafts as fewer of them are taken, and pause drafting where almost none are "
+        "(default: on)",
+    )
+    generation.add_argument(
+        "--spec-min-speedup",
+        type=_unit(1.0),
+        default=1.08,
+        metavar="X",
+        help="under --speculate auto, the decode speed-up drafts must show to be kept (default: 1.08)",
     )
     generation.add_argument(
         "--threads", type=_positive, default=None, metavar="N", help="CPU threads for llama.cpp (default: all cores)"
@@ -515,6 +543,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         log_file=args.log_file,
         log_dir=args.log_dir,
         tui=sys.stdout.isatty() if args.tui is None else args.tui,
+        speculate=args.speculate,
+        spec_draft_tokens=args.spec_draft_tokens,
+        spec_adaptive=args.spec_adaptive,
+        spec_min_speedup=args.spec_min_speedup,
     )
     if args.sessions is not None:
         config.sessions = args.sessions.expanduser()
@@ -525,11 +557,3 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.host_cache_mb is not None:
         config.host_cache_mb = max(0, args.host_cache_mb)
     return config
-
-
-def notices(args: argparse.Namespace) -> Sequence[str]:
-    """One line each for flags that are accepted but do nothing yet."""
-    out = []
-    if args.speculate != "off":
-        out.append(f"--speculate {args.speculate}: speculative decoding is not built yet; decoding token by token")
-    return out

@@ -46,6 +46,10 @@ class Draw:
     grammar: int = 0  # an `open_grammar` handle; 0 for none
     shaping: int = 0  # an `open_shaping` handle; 0 for none
     run: int = 1  # tokens it may draw in this call, each decoded before the next; an end of generation stops it
+    # the next `verify` draws are rows of the same lane whose inputs are drafted tokens: each draft
+    # stands while it equals what the row before it drew, and this draw takes every token drawn so
+    # (theirs stay empty); the lane's KV loses the drafts that did not stand
+    verify: int = 0
 
 
 @dataclass
@@ -128,7 +132,14 @@ class LocalEngine:
 
     def step(self, step: Step) -> list[list[int]]:
         logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
-        drawn = [[self._pick(step, i, row, draw)] for i, (row, draw) in enumerate(zip(logits, step.draws, strict=True))]
+        drawn: list[list[int]] = []
+        rows = np.flatnonzero(step.want)  # the batch index of each draw's row
+        for i, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):
+            if len(drawn) > i:
+                continue  # a drafted row, verified with its lead
+            drawn.append([self._pick(step, i, row, draw)])
+            if draw.verify:
+                drawn += self._verify(step, i, logits, rows, drawn[i])
         seqs = step.seqs[step.want != 0]
         running = [i for i, d in enumerate(step.draws) if d.run > 1 and not self.end_of_generation[drawn[i][0]]]
         while running:
@@ -146,6 +157,21 @@ class LocalEngine:
                 i for i in running if len(drawn[i]) < step.draws[i].run and not self.end_of_generation[drawn[i][-1]]
             ]
         return drawn
+
+    def _verify(self, step: Step, lead: int, logits: np.ndarray, rows: np.ndarray, picks: list[int]) -> list[list[int]]:
+        """Take the lead draw's drafts while each equals the token drawn before it, drawing the next
+        from its row; cut the drafts that did not stand from the lane's KV. The drafted rows' lists."""
+        count = step.draws[lead].verify
+        for j in range(1, count + 1):
+            drafted = int(step.tokens[rows[lead + j]])
+            if picks[-1] != drafted or self.end_of_generation[drafted]:
+                break
+            picks.append(self._pick(step, lead + j, logits[lead + j], step.draws[lead + j]))
+        kept = len(picks) - 1  # drafts that stood
+        if kept < count:
+            last = rows[lead]
+            self.context.truncate(int(step.seqs[last]), int(step.positions[last]) + 1 + kept)
+        return [[] for _ in range(count)]
 
     def _pick(self, step: Step, index: int, row: np.ndarray, draw: Draw) -> int:
         """The token one draw picks from its row, shaped; its log probabilities go into the step."""

@@ -46,6 +46,7 @@ DRAW = np.dtype(
         ("grammar", "<u4"),
         ("shaping", "<u4"),
         ("run", "<u4"),
+        ("verify", "<u4"),
     ]
 )
 LOGPROBS = np.dtype(
@@ -135,6 +136,7 @@ def encode_step(step: Step) -> bytes:
             d.grammar,
             d.shaping,
             d.run,
+            d.verify,
         )
     return b"".join(
         (
@@ -164,6 +166,7 @@ def decode_step(payload: memoryview) -> Step:
             int(r["grammar"]),
             int(r["shaping"]),
             int(r["run"]),
+            int(r["verify"]),
         )
         for r in records
     ]

@@ -62,6 +62,7 @@ from ..protocol.schema import (
 )
 from .park import Park
 from .prefix_cache import PrefixCache, Seed, common_prefix
+from .speculate import LaneSpec, SpecGate, SpecSettings
 
 log = logging.getLogger("superfluid.scheduler")
 
@@ -139,6 +140,7 @@ class Job:
     submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
     order: int = 0  # first come, first served within a class
     session: int | None = None  # whose generation it is, for the views of the lanes; the scheduler ignores it
+    spec: LaneSpec | None = None  # its drafts and how they fared, once it drafts
 
 
 @dataclass(eq=False)
@@ -167,6 +169,8 @@ class SchedulerStats:
     warm_prefix_tokens: int = 0
     cold_admissions: int = 0
     tier_hits: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # first admissions, by `TIERS`
+    spec_proposed: int = 0  # drafted tokens put into decodes
+    spec_accepted: int = 0  # of them, those the lanes would have drawn anyway
     preemptions: int = 0
     held_for_prefix: int = 0
     evictions: int = 0
@@ -204,6 +208,7 @@ class Scheduler:
         host_cache_bytes: int = 0,
         class_lanes: dict[int, int] | None = None,
         park: Park | None = None,
+        speculation: SpecSettings | None = None,
         on_tick: Callable[[], None] = lambda: None,
         now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
@@ -215,6 +220,8 @@ class Scheduler:
         self.on_tick = on_tick
         self.now_ms = now_ms
         self.park = park
+        self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
+        self.gate = SpecGate(speculation.min_speedup) if self.speculation and self.speculation.mode == "auto" else None
         self.cache = PrefixCache(host_cache_bytes, park.put if park is not None else lambda tokens, state: None)
         self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
@@ -769,13 +776,29 @@ class Scheduler:
         draws = []
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
-        run = self._run_length(plan) if decode_only else 1
+        drafted = {lane.seq: len(chunk) - 1 for lane, chunk, _ in plan if lane.decoding and len(chunk) > 1}
+        run = self._run_length(plan) if decode_only and not drafted else 1
         for lane, chunk, start in plan:
             end += len(chunk)
-            if len(chunk) == len(lane.feed) and not lane.job.prefill_only:
+            job = lane.job
+            if lane.seq in drafted:
+                # the last drawn token and its draft: every position's row is drawn, the lead verifies
+                want[end - len(chunk) : end] = 1
+                owners.append((lane, len(draws)))
+                draws += [
+                    Draw(
+                        job.params,
+                        start + 1 + i,
+                        job.ignore_eos,
+                        job.grammar_handle,
+                        job.shaping_handle,
+                        verify=len(chunk) - 1 if i == 0 else 0,
+                    )
+                    for i in range(len(chunk))
+                ]
+            elif len(chunk) == len(lane.feed) and not job.prefill_only:
                 want[end - 1] = 1
-                owners.append(lane)
-                job = lane.job
+                owners.append((lane, len(draws)))
                 # a run ends where the job would end: its max_tokens, or the window
                 limit = min(run, job.max_tokens - job.generated, self.window - start - 1)
                 draws.append(
@@ -810,23 +833,39 @@ class Scheduler:
                 for lane, _, _ in plan:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
-        decodes = max((len(tokens) for tokens in drawn), default=1)  # llama_decode calls in this step
+        # llama_decode calls in this step: a run makes one per token, a verified draft one in all
+        decodes = 1 if drafted else max((len(tokens) for tokens in drawn), default=1)
+        total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
-        self._measure(plan, took, sum(len(tokens) for tokens in drawn), decodes if decode_only else 0)
+        self._measure(plan, took, total, decodes if decode_only else 0)
+        if self.gate is not None and decode_only:
+            self.gate.record(total, took)
         for lane, chunk, _ in plan:
-            lane.held.extend(chunk)
-            del lane.feed[: len(chunk)]
+            fed = chunk[:1] if lane.seq in drafted else chunk  # drafts enter `held` only as they stand
+            lane.held.extend(fed)
+            del lane.feed[: len(fed)]
             if lane.job.generated:
-                self.stats.decode_tokens += len(chunk)
+                self.stats.decode_tokens += len(fed)
             else:
-                self.stats.prefill_tokens += len(chunk)
-        for index, (lane, tokens) in enumerate(zip(owners, drawn, strict=True)):
+                self.stats.prefill_tokens += len(fed)
+        for lane, index in owners:
+            tokens = drawn[index]
+            if lane.seq in drafted:
+                self._record_draft(lane.job, drafted[lane.seq], len(tokens) - 1)
             for i, token in enumerate(tokens):
                 if i:
                     lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
                     self.stats.decode_tokens += 1
                 finished |= self._advance(lane, token, step.logprobs.get(index) if i == 0 else None)
+                if lane.job.done:
+                    break
         return finished | self._retire_prefilled()
+
+    def _record_draft(self, job: Job, proposed: int, accepted: int) -> None:
+        assert job.spec is not None
+        job.spec.record(self.stats.steps, proposed, accepted)
+        self.stats.spec_proposed += proposed
+        self.stats.spec_accepted += accepted
 
     def _run_length(self, plan: list[tuple[Lane, list[int], int]]) -> int:
         """How many tokens each lane of a step that only decodes may draw in one engine call."""
@@ -871,11 +910,14 @@ class Scheduler:
             # decoding take every few steps only (their tokens come later, in fuller batches), and
             # interactive lanes every step; a cache warm-up waits for no token
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
+        drafting = self._drafting(runnable)
         for lane in decoding:
-            plan.append((lane, lane.feed[:1], len(lane.held)))
+            draft = self._draft(lane) if drafting else []
+            plan.append((lane, lane.feed[:1] + draft, len(lane.held)))
+        inputs = sum(len(chunk) for _, chunk, _ in plan)
         step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
-        budget = max(MIN_PREFILL, int(step / self._token_cost) - len(decoding))
-        budget = min(budget, self.engine.shape.batch - len(decoding))
+        budget = max(MIN_PREFILL, int(step / self._token_cost) - inputs)
+        budget = min(budget, self.engine.shape.batch - inputs)
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
@@ -889,6 +931,31 @@ class Scheduler:
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
+
+    def _drafting(self, runnable: list[Lane]) -> bool:
+        """True when this step's decoding lanes may carry drafts: speculation is on, the gate (under
+        auto) allows it, and no prompt is prefilling (a draft would only lengthen that step)."""
+        if self.speculation is None or (self.gate is not None and not self.gate.allows()):
+            return False
+        return all(lane.decoding for lane in runnable)
+
+    def _draft(self, lane: Lane) -> list[int]:
+        """The tokens prompt lookup proposes to follow a decoding lane; none where drafts cannot be
+        verified as the lane would draw them (log probabilities asked, a batch-invariant lane on kernels
+        that are not exact) or where the job or the window ends first."""
+        settings, job = self.speculation, lane.job
+        assert settings is not None
+        if job.shaping is not None and job.shaping.logprobs >= 0:
+            return []
+        if job.batch_invariant and not settings.exact:
+            return []
+        if job.spec is None:
+            job.spec = LaneSpec(settings.draft_tokens, settings.adaptive)
+        room = min(job.max_tokens - job.generated - 1, self.window - len(lane.held) - 2)
+        limit = min(job.spec.length(self.stats.steps), room)
+        if limit <= 0:
+            return []
+        return job.spec.lookup.draft(lane.held, lane.feed[0], limit)
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""

@@ -289,8 +289,19 @@ def _reply(
         "model": name,
         "choices": choices,
         "usage": usage(*outcomes),
-        "superfluid": {"warm": outcomes[0].cached_tokens},
+        "superfluid": superfluid_extras(outcomes),
     }
+
+
+def superfluid_extras(outcomes: list[Outcome]) -> dict[str, Any]:
+    """What a reply says beyond OpenAI's fields: the prompt tokens served warm and, when speculation
+    drafted, its drafts proposed and accepted."""
+    extras: dict[str, Any] = {"warm": outcomes[0].cached_tokens}
+    proposed = sum(o.spec[0] for o in outcomes)
+    if proposed:
+        accepted = sum(o.spec[1] for o in outcomes)
+        extras["spec"] = {"proposed": proposed, "accepted": accepted, "acceptance_rate": round(accepted / proposed, 4)}
+    return extras
 
 
 def _sse(obj: Any) -> str:
@@ -361,7 +372,7 @@ async def _chat_stream(
     if isinstance(outcome, str):
         yield _sse(envelope(outcome, "server_error"))
     else:
-        yield chunk({}, outcome.finish, usage=usage(outcome), superfluid={"warm": outcome.cached_tokens})
+        yield chunk({}, outcome.finish, usage=usage(outcome), superfluid=superfluid_extras([outcome]))
     yield "data: [DONE]\n\n"
 
 

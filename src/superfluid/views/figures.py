@@ -54,6 +54,8 @@ class Figures:
     decode_tokens: float = 0.0
     prefill_tokens: float = 0.0
     preemptions: float = 0.0
+    spec_proposed: float = 0.0
+    spec_accepted: float = 0.0
     queue: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     hits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
     last_ttft: float = 0.0
@@ -124,6 +126,8 @@ class Figures:
         figures.decode_tokens = sums.get("superfluid_decode_tokens_total", 0.0)
         figures.prefill_tokens = sums.get("superfluid_prefill_tokens_total", 0.0)
         figures.preemptions = sums.get("superfluid_preemptions_total", 0.0)
+        figures.spec_proposed = sums.get("superfluid_spec_proposed_total", 0.0)
+        figures.spec_accepted = sums.get("superfluid_spec_accepted_total", 0.0)
         figures.respawns = sums.get("superfluid_worker_respawns_total", 0.0)
         figures.models = int(sums.get("superfluid_models_loaded", 0))
         figures.generations = int(sums.get("superfluid_generations_running", 0))

@@ -171,7 +171,11 @@ class Monitor(App[bool]):
             f"   prefix hits: {hits}   preemptions {figures.preemptions:,.0f}"
         )
         queued = " · ".join(f"{klass} {figures.queue[klass]}" for klass in CLASSES)
-        self.query_one("#queue", Static).update(f"queue: {queued}")
+        spec = "nothing drafted"
+        if figures.spec_proposed:
+            rate = figures.spec_accepted / figures.spec_proposed
+            spec = f"{figures.spec_accepted:,.0f} of {figures.spec_proposed:,.0f} drafted tokens accepted ({rate:.0%})"
+        self.query_one("#queue", Static).update(f"queue: {queued}   speculation: {spec}")
         if figures.workers:
             up = sum(figures.workers.values())
             workers = f"workers: {up}/{len(figures.workers)} up"

@@ -1,0 +1,104 @@
+"""Speculative decoding's figures: decode tok/s with drafts against without, in one run.
+
+Three daemons are up at once, `--speculate off`, `prompt-lookup` and `auto`, and take turns
+measure by measure (this machine drifts by 10-20% over minutes). Two workloads, at 1, 4 and 8
+concurrent streams: an agent rewriting a 40-line Python module with type hints (it repeats
+most of what it was shown: what prompt lookup drafts well), and free-form chat (little to
+draft: where `auto` must cost nothing). Each stream is 256 greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import load
+import numpy as np
+from peer import Superfluid
+
+from superfluid.metrics import read_metric
+
+MODES = ("off", "prompt-lookup", "auto")
+TOKENS = 256
+
+
+def module(seed: int) -> str:
+    """A 40-line Python module without type hints, different for every seed."""
+    lines = []
+    for i in range(10):
+        name = f"scale_{seed}_{i}"
+        lines += [f"def {name}(values, factor):", f"    total = sum(values) * factor + {i}", "    return total", ""]
+    return "\n".join(lines)
+
+
+def rewrite(seed: int) -> load.Chat:
+    ask = f"Rewrite this Python module with type hints, changing nothing else:\n\n{module(seed)}"
+    return load.Chat([{"role": "user", "content": ask}], TOKENS)
+
+
+def chat(seed: int) -> load.Chat:
+    return load.Chat([{"role": "user", "content": f"Tell me a long story about lighthouse keeper {seed}."}], TOKENS)
+
+
+def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float, str, bool, str]]:
+    """(name, value, target, passed, detail) rows."""
+    daemons = {
+        mode: Superfluid(root / f"spec-{mode}", 4096, 8, "--threads", str(threads), "--no-park", "--speculate", mode)
+        for mode in MODES
+    }
+    rates: dict[tuple[str, str, int], list[float]] = {}
+    try:
+        for daemon in daemons.values():
+            daemon.start()
+            load.send(daemon.url, load.Chat([{"role": "user", "content": "Hello."}], 4))
+        seed = 1
+        for workload, make in (("rewrite", rewrite), ("chat", chat)):
+            for streams in (1, 4, 8):
+                for _ in range(1 if quick else 2):
+                    for mode, daemon in daemons.items():
+                        chats = [make(seed + i) for i in range(streams)]
+                        rate = load.decode_rate(load.together(daemon.url, chats))
+                        rates.setdefault((workload, mode, streams), []).append(rate)
+                    seed += streams
+                print(
+                    f"spec: {workload}, {streams} streams: "
+                    + ", ".join(f"{m} {np.median(rates[(workload, m, streams)]):.1f} tok/s" for m in MODES),
+                    flush=True,
+                )
+        acceptance = {}
+        for mode, daemon in daemons.items():
+            exposition = httpx.get(f"{daemon.url}/metrics", timeout=10).text
+            proposed = read_metric(exposition, "superfluid_spec_proposed_total")
+            accepted = read_metric(exposition, "superfluid_spec_accepted_total")
+            acceptance[mode] = (accepted, proposed)
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+    rows = []
+    for workload in ("rewrite", "chat"):
+        for streams in (1, 4, 8):
+            off = float(np.median(rates[(workload, "off", streams)]))
+            for mode in ("prompt-lookup", "auto"):
+                mine = float(np.median(rates[(workload, mode, streams)]))
+                ratio = mine / off
+                if mode == "auto":
+                    target = ">= 1.5" if (workload, streams) == ("rewrite", 1) else ">= 0.97"
+                    passed = ratio >= (1.5 if target == ">= 1.5" else 0.97)
+                else:
+                    target, passed = "(reported)", True
+                rows.append(
+                    (
+                        f"{workload}, {streams} stream{'s' if streams > 1 else ''}: {mode} / off",
+                        ratio,
+                        target,
+                        passed,
+                        f"{mine:.1f} vs {off:.1f} tok/s",
+                    )
+                )
+    for mode in ("prompt-lookup", "auto"):
+        accepted, proposed = acceptance[mode]
+        share = accepted / proposed if proposed else 0.0
+        rows.append(
+            (f"drafted tokens accepted, {mode}", share, "(reported)", True, f"{accepted:.0f} of {proposed:.0f}")
+        )
+    return rows

@@ -1,0 +1,136 @@
+"""Speculative decoding by prompt lookup: a lane's next tokens drafted from its own stream.
+
+Agents spend much of their decode rewriting text they were just shown. `PromptLookup`
+drafts the tokens that followed the latest earlier occurrence of the stream's last few
+tokens (an n-gram index kept up to date as the stream grows, so a draft is a dict lookup);
+the scheduler puts the draft into the lane's next decode and the engine keeps the longest
+prefix of it that the lane would have drawn anyway, plus the token drawn after it.
+
+`SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load:
+it measures the decode rate of steps with drafts allowed and without, alternately, keeps
+drafting while it is at least `min_speedup` faster, and measures again every few hundred steps.
+`LaneSpec` is one job's share: its drafter, its acceptance, and under `--spec-adaptive` how long
+its drafts may be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NGRAMS = (3, 2)  # a single token repeats too often to predict what follows it
+PROBE_STEPS = 24  # decode-only steps measured each way
+HOLD_STEPS = 400  # steps a decision stands before the next probe
+ADAPT_AFTER = 8  # proposals before a lane's acceptance steers its draft length
+PAUSE_STEPS = 64  # a lane whose drafts are almost never taken stops drafting this long
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """What `serve` was told: `--speculate`, `--spec-draft-tokens`, `--spec-adaptive`, `--spec-min-speedup`.
+
+    `exact` says whether the kernels compute a token the same whatever its batch; where they do
+    not, a batch-invariant lane never drafts (its verified tokens would come from a batch shape
+    its uncut run never had)."""
+
+    mode: str = "off"  # off, auto or prompt-lookup
+    draft_tokens: int = 4
+    adaptive: bool = False
+    min_speedup: float = 1.08
+    exact: bool = True
+
+
+class PromptLookup:
+    """Drafts from the stream itself: the tokens that followed the latest earlier occurrence of its last n-gram."""
+
+    def __init__(self) -> None:
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the position that followed its latest occurrence
+        self._indexed = 0  # positions below this are in the index
+
+    def draft(self, held: Sequence[int], last: int, limit: int) -> list[int]:
+        """Up to `limit` tokens to follow the stream `held + [last]`; empty when nothing matches."""
+        end = len(held)  # the stream's positions 0..end, `last` at `end`
+        for e in range(max(self._indexed, 1), end + 1):
+            for n in NGRAMS:
+                if e >= n:
+                    self._after[tuple(held[e - n : e])] = e
+        self._indexed = end + 1
+        for n in NGRAMS:
+            if end + 1 > n:
+                at = self._after.get((*held[end + 1 - n : end], last))
+                if at is not None:
+                    # what followed it; `at` <= end, and at `end` itself stands `last`
+                    following = [*held[at : at + limit]]
+                    if len(following) < limit and at + len(following) == end:
+                        following.append(last)
+                    return following[:limit]
+        return []
+
+
+@dataclass
+class LaneSpec:
+    """One job's speculation: its drafter and how its drafts fare."""
+
+    max_draft: int
+    adaptive: bool
+    lookup: PromptLookup = field(default_factory=PromptLookup)
+    proposed: int = 0
+    accepted: int = 0
+    recent: float = 1.0  # a moving average of the share of a draft taken
+    paused_until: int = 0  # a step number
+
+    def length(self, step: int) -> int:
+        """How many tokens this lane may draft at `step`."""
+        if step < self.paused_until:
+            return 0
+        if not self.adaptive or self.proposed < ADAPT_AFTER:
+            return self.max_draft
+        return max(1, min(self.max_draft, round(self.recent * self.max_draft + 0.5)))
+
+    def record(self, step: int, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.recent = 0.8 * self.recent + 0.2 * (accepted / proposed)
+        if self.adaptive and self.proposed >= ADAPT_AFTER and self.recent < 0.1:
+            self.paused_until = step + PAUSE_STEPS
+            self.recent = 0.5  # after the pause it tries again, from the middle
+
+
+class SpecGate:
+    """Whether steps may draft (`--speculate auto`): probes without and with drafts, keeps the faster."""
+
+    def __init__(self, min_speedup: float) -> None:
+        self.min_speedup = min_speedup
+        self.phase = "off"  # "off" or "on": the probe under way, then "hold"
+        self.drafting = False
+        self._steps = 0
+        self._rate: dict[str, tuple[int, float]] = {"off": (0, 0.0), "on": (0, 0.0)}  # tokens, seconds
+        self.speedup = 0.0  # the last probe's measured ratio
+
+    def allows(self) -> bool:
+        """True when this step may carry drafts."""
+        return self.drafting if self.phase == "hold" else self.phase == "on"
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A decode-only step: the tokens it drew and its time."""
+        self._steps += 1
+        if self.phase in self._rate:
+            count, took = self._rate[self.phase]
+            self._rate[self.phase] = (count + tokens, took + seconds)
+            if self._steps >= PROBE_STEPS:
+                self._steps = 0
+                if self.phase == "off":
+                    self.phase = "on"
+                else:
+                    self._decide()
+        elif self._steps >= HOLD_STEPS:
+            self._steps = 0
+            self.phase = "off"
+            self._rate = {"off": (0, 0.0), "on": (0, 0.0)}
+
+    def _decide(self) -> None:
+        (off_tokens, off_s), (on_tokens, on_s) = self._rate["off"], self._rate["on"]
+        off, on = off_tokens / max(off_s, 1e-9), on_tokens / max(on_s, 1e-9)
+        self.speedup = on / off if off else 0.0
+        self.drafting = self.speedup >= self.min_speedup
+        self.phase = "hold"
