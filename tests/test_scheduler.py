@@ -14,7 +14,7 @@ from superfluid.engine.local import Step
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
-from superfluid.scheduler.speculate import HOLD_STEPS, PROBE_STEPS, PromptLookup, SpecGate, SpecSettings
+from superfluid.scheduler.speculate import HOLD_STEPS, PROBE_STEPS, PromptLookup, SpecGate, SpecProbe, SpecSettings
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -482,7 +482,7 @@ def test_prompt_lookup_drafts_what_followed_the_last_earlier_occurrence() -> Non
 
 
 def test_the_gate_keeps_drafts_only_where_they_pay() -> None:
-    gate = SpecGate(1.08)
+    gate = SpecProbe(1.08)
     assert not gate.allows(), "it measures without drafts first"
     for _ in range(PROBE_STEPS):
         gate.record(8, 0.010)  # 800 tok/s without
@@ -505,4 +505,17 @@ def test_auto_stops_drafting_where_drafts_are_not_taken() -> None:
     scheduler = speculating("auto", _next, delay=0.001)
     out = generate_on(scheduler, prompts, 400)
     assert out == generate_on(Scheduler(FakeContext(sequences=4, window=512), lanes=2, window=512), prompts, 400)
-    assert scheduler.gate is not None and scheduler.gate.phase == "hold" and not scheduler.gate.drafting
+    assert scheduler.gate is not None
+    probe = scheduler.gate.probe(1)
+    assert probe.phase == "hold" and not probe.drafting
+
+
+def test_the_gate_decides_for_each_batch_size_apart() -> None:
+    gate = SpecGate(1.08)
+    for lanes, with_drafts in ((1, 0.005), (8, 0.02)):  # drafts pay for one stream, cost for eight
+        for _ in range(PROBE_STEPS):
+            gate.record(lanes, 8, 0.01)
+        for _ in range(PROBE_STEPS):
+            gate.record(lanes, 8, with_drafts)
+    assert gate.allows(1) and not gate.allows(8) and not gate.allows(9)
+    assert not gate.allows(4), "4 to 7 lanes have not been measured: they start without drafts"

@@ -141,7 +141,11 @@ class LocalEngine:
             if draw.verify:
                 drawn += self._verify(step, i, logits, rows, drawn[i])
         seqs = step.seqs[step.want != 0]
-        running = [i for i, d in enumerate(step.draws) if d.run > 1 and not self.end_of_generation[drawn[i][0]]]
+        running = [  # a verified draft may have drawn several already
+            i
+            for i, d in enumerate(step.draws)
+            if d.run > len(drawn[i]) > 0 and not self.end_of_generation[drawn[i][-1]]
+        ]
         while running:
             # the same decode the scheduler would send next: each running lane's last token, alone
             tokens = np.array([drawn[i][-1] for i in running], dtype=np.int32)

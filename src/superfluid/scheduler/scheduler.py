@@ -777,14 +777,16 @@ class Scheduler:
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
         drafted = {lane.seq: len(chunk) - 1 for lane, chunk, _ in plan if lane.decoding and len(chunk) > 1}
-        run = self._run_length(plan) if decode_only and not drafted else 1
+        run = self._run_length(plan) if decode_only else 1
         for lane, chunk, start in plan:
             end += len(chunk)
             job = lane.job
             if lane.seq in drafted:
                 # the last drawn token and its draft: every position's row is drawn, the lead verifies
+                # (and then runs on, one decode a token, as the other lanes do)
                 want[end - len(chunk) : end] = 1
                 owners.append((lane, len(draws)))
+                limit = min(run, job.max_tokens - job.generated, self.window - start - 1)
                 draws += [
                     Draw(
                         job.params,
@@ -792,6 +794,7 @@ class Scheduler:
                         job.ignore_eos,
                         job.grammar_handle,
                         job.shaping_handle,
+                        max(1, limit) if i == 0 else 1,
                         verify=len(chunk) - 1 if i == 0 else 0,
                     )
                     for i in range(len(chunk))
@@ -833,13 +836,16 @@ class Scheduler:
                 for lane, _, _ in plan:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
-        # llama_decode calls in this step: a run makes one per token, a verified draft one in all
-        decodes = 1 if drafted else max((len(tokens) for tokens in drawn), default=1)
+        # llama_decode calls in this step: a run makes one per token, a verified draft one for all it keeps
+        kept = {
+            index: self._kept(drawn[index], step.tokens, want, index) for lane, index in owners if lane.seq in drafted
+        }
+        decodes = max((len(drawn[index]) - kept.get(index, 0) for _, index in owners), default=1)
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0)
         if self.gate is not None and decode_only:
-            self.gate.record(total, took)
+            self.gate.record(len(plan), total, took)
         for lane, chunk, _ in plan:
             fed = chunk[:1] if lane.seq in drafted else chunk  # drafts enter `held` only as they stand
             lane.held.extend(fed)
@@ -851,7 +857,7 @@ class Scheduler:
         for lane, index in owners:
             tokens = drawn[index]
             if lane.seq in drafted:
-                self._record_draft(lane.job, drafted[lane.seq], len(tokens) - 1)
+                self._record_draft(lane.job, drafted[lane.seq], kept[index])
             for i, token in enumerate(tokens):
                 if i:
                     lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
@@ -860,6 +866,15 @@ class Scheduler:
                 if lane.job.done:
                     break
         return finished | self._retire_prefilled()
+
+    @staticmethod
+    def _kept(picks: list[int], tokens: np.ndarray, want: np.ndarray, lead: int) -> int:
+        """How many of a lead draw's drafts stood: its picks agree with the drafted rows up to there."""
+        rows = np.flatnonzero(want)[lead + 1 :]
+        kept = 0
+        while kept < len(picks) - 1 and kept < len(rows) and picks[kept] == tokens[rows[kept]]:
+            kept += 1
+        return kept
 
     def _record_draft(self, job: Job, proposed: int, accepted: int) -> None:
         assert job.spec is not None
@@ -935,9 +950,9 @@ class Scheduler:
     def _drafting(self, runnable: list[Lane]) -> bool:
         """True when this step's decoding lanes may carry drafts: speculation is on, the gate (under
         auto) allows it, and no prompt is prefilling (a draft would only lengthen that step)."""
-        if self.speculation is None or (self.gate is not None and not self.gate.allows()):
+        if self.speculation is None or not all(lane.decoding for lane in runnable):
             return False
-        return all(lane.decoding for lane in runnable)
+        return self.gate is None or self.gate.allows(len(runnable))
 
     def _draft(self, lane: Lane) -> list[int]:
         """The tokens prompt lookup proposes to follow a decoding lane; none where drafts cannot be

@@ -7,8 +7,9 @@ the scheduler puts the draft into the lane's next decode and the engine keeps th
 prefix of it that the lane would have drawn anyway, plus the token drawn after it.
 
 `SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load:
-it measures the decode rate of steps with drafts allowed and without, alternately, keeps
-drafting while it is at least `min_speedup` faster, and measures again every few hundred steps.
+for each batch size apart, it measures the decode rate of steps with drafts allowed and
+without, alternately, keeps drafting while it is at least `min_speedup` faster, and measures
+again every few hundred steps.
 `LaneSpec` is one job's share: its drafter, its acceptance, and under `--spec-adaptive` how long
 its drafts may be.
 """
@@ -97,7 +98,27 @@ class LaneSpec:
 
 
 class SpecGate:
-    """Whether steps may draft (`--speculate auto`): probes without and with drafts, keeps the faster."""
+    """Whether steps may draft (`--speculate auto`), decided apart for each batch size (1, 2-3, 4-7 or 8
+    and more decoding lanes: what pays for one stream can cost eight): each probes without drafts and
+    with them, and keeps the faster."""
+
+    def __init__(self, min_speedup: float) -> None:
+        self.min_speedup = min_speedup
+        self._probes: dict[int, SpecProbe] = {}
+
+    def probe(self, lanes: int) -> SpecProbe:
+        bucket = min(lanes.bit_length(), 4)  # 1, 2-3, 4-7, 8+
+        return self._probes.setdefault(bucket, SpecProbe(self.min_speedup))
+
+    def allows(self, lanes: int) -> bool:
+        return self.probe(lanes).allows()
+
+    def record(self, lanes: int, tokens: int, seconds: float) -> None:
+        self.probe(lanes).record(tokens, seconds)
+
+
+class SpecProbe:
+    """One batch size's decision: probes without drafts, then with them, keeps the faster for a while."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
