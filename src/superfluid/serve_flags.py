@@ -422,7 +422,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--kernels",
         choices=KERNELS,
         default="fast",
-        help="fast: llama.cpp as it builds itself, with every matrix kernel this CPU has (1.2-1.4x faster "
+        help="fast: llama.cpp as it builds itself, with every matrix kernel this CPU has (1.06-1.4x faster "
         "prefill; a token's logits may change in the last bits with what shares its batch, so a cut, resumed "
         "or replayed greedy run can part from the uncut one); exact: a build whose kernels ignore the batch, "
         "so continuations, forks and replays equal the uncut run bit for bit (default: fast; exact without "

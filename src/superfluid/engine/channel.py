@@ -217,10 +217,10 @@ class WorkerEngine:
             self._copying = False  # the decode ran its pending copies before it looked for room
             raise
         self._copying, self._served = False, True
-        (inside,) = struct.unpack_from("<d", reply, len(reply) - 8)
+        step.first_decode_s, inside = struct.unpack_from("<dd", reply, len(reply) - 16)
         self.step_seconds += time.perf_counter() - started
         self.worker_seconds += inside
-        drawn, step.logprobs = wire.decode_drawn(reply[:-8], len(step.draws))
+        drawn, step.logprobs = wire.decode_drawn(reply[:-16], len(step.draws))
         return drawn
 
     def copy(self, source: int, target: int, length: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
@@ -56,8 +57,9 @@ class Draw:
 class Step:
     """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order.
 
-    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them; a
-    draw that asks for them runs one token.
+    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them (a
+    draw that asks for them runs one token), and `first_decode_s`, the time of the decode of
+    the step's own batch (what the runs after it take is not in it).
     """
 
     tokens: np.ndarray
@@ -66,6 +68,7 @@ class Step:
     want: np.ndarray
     draws: list[Draw]
     logprobs: dict[int, LogprobRow] = field(default_factory=dict)
+    first_decode_s: float = 0.0
 
 
 class Engine(Protocol):
@@ -131,7 +134,9 @@ class LocalEngine:
         return self.context.copy_pending
 
     def step(self, step: Step) -> list[list[int]]:
+        started = time.perf_counter()
         logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
+        step.first_decode_s = time.perf_counter() - started
         drawn: list[list[int]] = []
         rows = np.flatnonzero(step.want)  # the batch index of each draw's row
         for i, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):

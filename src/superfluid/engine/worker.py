@@ -32,7 +32,8 @@ def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: m
         started = time.perf_counter()
         step = wire.decode_step(payload)
         drawn = wire.encode_drawn(engine.step(step), step.logprobs)
-        return drawn + struct.pack("<d", time.perf_counter() - started)  # what the step cost here
+        # what the step cost here, and its first decode
+        return drawn + struct.pack("<dd", step.first_decode_s, time.perf_counter() - started)
     if kind == wire.COPY:
         engine.copy(*wire.read_ints(payload, 3))
         return wire.ints(int(engine.copy_pending))  # a short copy is done at once

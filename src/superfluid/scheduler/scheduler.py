@@ -62,7 +62,7 @@ from ..protocol.schema import (
 )
 from .park import Park
 from .prefix_cache import PrefixCache, Seed, common_prefix
-from .speculate import LaneSpec, SpecGate, SpecSettings
+from .speculate import DecodeCost, LaneSpec, SpecGate, SpecSettings
 
 log = logging.getLogger("superfluid.scheduler")
 
@@ -222,6 +222,7 @@ class Scheduler:
         self.park = park
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
         self.gate = SpecGate(speculation.min_speedup) if self.speculation and self.speculation.mode == "auto" else None
+        self.decode_cost = DecodeCost()  # what drafting weighs its drafts against
         self.cache = PrefixCache(host_cache_bytes, park.put if park is not None else lambda tokens, state: None)
         self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
@@ -844,8 +845,10 @@ class Scheduler:
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0)
-        if self.gate is not None and decode_only:
-            self.gate.record(len(plan), total, took)
+        if decode_only and self.speculation is not None:
+            self.decode_cost.add(len(tokens), step.first_decode_s)
+            if self.gate is not None:
+                self.gate.record(len(plan), total, took)
         for lane, chunk, _ in plan:
             fed = chunk[:1] if lane.seq in drafted else chunk  # drafts enter `held` only as they stand
             lane.held.extend(fed)
@@ -926,8 +929,9 @@ class Scheduler:
             # interactive lanes every step; a cache warm-up waits for no token
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
         drafting = self._drafting(runnable)
+        relative = self._draft_cost(len(decoding)) if drafting else None
         for lane in decoding:
-            draft = self._draft(lane) if drafting else []
+            draft = self._draft(lane, relative) if drafting else []
             plan.append((lane, lane.feed[:1] + draft, len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
         step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
@@ -954,7 +958,17 @@ class Scheduler:
             return False
         return self.gate is None or self.gate.allows(len(runnable))
 
-    def _draft(self, lane: Lane) -> list[int]:
+    def _draft_cost(self, lanes: int) -> float | None:
+        """A drafted position's cost over a plain lane's share of a step of `lanes` lanes, as measured:
+        the position's share of the engine's decode, against what a step of plain decoding takes in
+        all (the channel and this loop included)."""
+        line = self.decode_cost.line()
+        if line is None or lanes < 1:
+            return None
+        a, b = line
+        return b * lanes / max(a + b * lanes, self._decode_step_s)
+
+    def _draft(self, lane: Lane, relative_cost: float | None) -> list[int]:
         """The tokens prompt lookup proposes to follow a decoding lane; none where drafts cannot be
         verified as the lane would draw them (log probabilities asked, a batch-invariant lane on kernels
         that are not exact) or where the job or the window ends first."""
@@ -967,7 +981,7 @@ class Scheduler:
         if job.spec is None:
             job.spec = LaneSpec(settings.draft_tokens, settings.adaptive)
         room = min(job.max_tokens - job.generated - 1, self.window - len(lane.held) - 2)
-        limit = min(job.spec.length(self.stats.steps), room)
+        limit = min(job.spec.length(self.stats.steps, relative_cost), room)
         if limit <= 0:
             return []
         return job.spec.lookup.draft(lane.held, lane.feed[0], limit)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 NGRAMS = (3, 2)  # a single token repeats too often to predict what follows it
-PROBE_STEPS = 24  # decode-only steps measured each way
-HOLD_STEPS = 400  # steps a decision stands before the next probe
+PROBE_STEPS = 12  # decode-only steps (engine calls, each up to a run of tokens) measured each way
+HOLD_STEPS = 1000  # steps a decision stands before the next probe
 ADAPT_AFTER = 8  # proposals before a lane's acceptance steers its draft length
 PAUSE_STEPS = 64  # a lane whose drafts are almost never taken stops drafting this long
 
@@ -68,33 +68,78 @@ class PromptLookup:
         return []
 
 
+class DecodeCost:
+    """What a decode costs by the positions in its batch: a straight line, fitted by least squares
+    to the recent decodes (older ones weigh less), as `a + b * positions` seconds."""
+
+    DECAY = 0.98
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def add(self, positions: int, seconds: float) -> None:
+        w, x, y, xx, xy = (v * self.DECAY for v in self._sums)
+        self._sums = [w + 1, x + positions, y + seconds, xx + positions * positions, xy + positions * seconds]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b); None until decodes of at least two batch sizes were measured."""
+        w, x, y, xx, xy = self._sums
+        spread = w * xx - x * x
+        if w < 4 or spread <= 1e-6 * max(1.0, w * xx):
+            return None
+        b = (w * xy - x * y) / spread
+        a = (y - b * x) / w
+        return (a, b) if b > 0 and a + b > 0 else None
+
+
 @dataclass
 class LaneSpec:
-    """One job's speculation: its drafter and how its drafts fare."""
+    """One job's speculation: its drafter and how its drafts fare.
+
+    Drafts are taken position by position until one differs, so `alpha`, the chance that the
+    next drafted token stands given that the ones before it did, sums up a lane. Under
+    `--spec-adaptive` a draft is as long as pays best: the length d whose expected tokens,
+    1 + alpha + ... + alpha^d, are most per the decode's time for this lane, its share of a
+    plain decode plus d drafted positions (`DecodeCost`)."""
 
     max_draft: int
     adaptive: bool
     lookup: PromptLookup = field(default_factory=PromptLookup)
     proposed: int = 0
     accepted: int = 0
-    recent: float = 1.0  # a moving average of the share of a draft taken
+    stood: float = 4.0  # drafted positions that stood, and drafts cut short: decayed counts, a prior of 0.8
+    cut: float = 1.0
     paused_until: int = 0  # a step number
 
-    def length(self, step: int) -> int:
-        """How many tokens this lane may draft at `step`."""
+    @property
+    def alpha(self) -> float:
+        return self.stood / (self.stood + self.cut)
+
+    def length(self, step: int, relative_cost: float | None) -> int:
+        """How many tokens this lane may draft at `step`; `relative_cost` is a drafted position's cost
+        over a plain lane's share of a decode (None while it is unknown)."""
         if step < self.paused_until:
             return 0
-        if not self.adaptive or self.proposed < ADAPT_AFTER:
+        if not self.adaptive or relative_cost is None or self.proposed < ADAPT_AFTER:
             return self.max_draft
-        return max(1, min(self.max_draft, round(self.recent * self.max_draft + 0.5)))
+        alpha, best, best_rate = self.alpha, 0, 1.0
+        expected, term = 1.0, 1.0
+        for d in range(1, self.max_draft + 1):
+            term *= alpha
+            expected += term
+            rate = expected / (1.0 + relative_cost * d)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
 
     def record(self, step: int, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
-        self.recent = 0.8 * self.recent + 0.2 * (accepted / proposed)
-        if self.adaptive and self.proposed >= ADAPT_AFTER and self.recent < 0.1:
+        self.stood = 0.9 * self.stood + accepted
+        self.cut = 0.9 * self.cut + (accepted < proposed)
+        if self.adaptive and self.proposed >= ADAPT_AFTER and self.alpha < 0.1:
             self.paused_until = step + PAUSE_STEPS
-            self.recent = 0.5  # after the pause it tries again, from the middle
+            self.stood, self.cut = 4.0, 1.0  # after the pause it tries again, from the prior
 
 
 class SpecGate:
