@@ -3,9 +3,9 @@
     make bench                                  # builds the peers once (a few minutes), then runs all
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
-    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, spec or ui
+    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec or ui
 
-Six sections, one system driven at a time:
+Seven sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -20,6 +20,8 @@ Six sections, one system driven at a time:
 - park: a 2,000-token session's next first token after a SIGKILL, after a clean stop and
   after its worker's SIGKILL (its KV parked on disk), against a cold prefill of it; and 200
   idle 1,000-token sessions on slots for 20, resumed oldest first from the park;
+- startup: a daemon killed with SIGKILL serving again, on an empty log and on 10,000 sessions
+  and a million events (bench/startup.py);
 - spec: speculative decoding (`--speculate prompt-lookup` and `auto`) against none, rewriting a
   module and chatting, at 1, 4 and 8 streams (bench/spec.py);
 - ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
@@ -48,6 +50,7 @@ import load
 import numpy as np
 from peer import LlamaServer, Superfluid, batched_bench
 from spec import spec_figures
+from startup import startup_figures
 from ui import ui_figures
 
 from superfluid.client import SocketClient
@@ -729,7 +732,7 @@ def http_results(
     return results
 
 
-SECTIONS = ("engine", "http", "socket", "park", "spec", "ui")
+SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui")
 
 
 def report(results: list[Result]) -> None:
@@ -762,6 +765,10 @@ def main() -> int:
         results += socket_section(args.quick, root, fastest, args.threads)
     if "park" in sections:
         results += park_section(root, args.threads, args.quick)
+    if "startup" in sections:
+        print("startup: a daemon served again after a SIGKILL", flush=True)
+        for name, value, target, passed, detail in startup_figures(root, args.threads):
+            results.append(Result(name, value, target, passed, detail))
     if "spec" in sections:
         print("spec: speculative decoding against none", flush=True)
         for name, value, target, passed, detail in spec_figures(root, args.quick, args.threads):

@@ -49,8 +49,9 @@ def test_the_reference_command_line_serves(tmp_path: Path) -> None:
         reply = httpx.post(f"{proc.url}/v1/chat/completions", json=chat_body("Hello.", 3, False), timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         log = proc.log.read_text()
-        assert "--prefill-chunk is retired" in log and "--tui: superfluid has no terminal monitor yet" in log
-        assert "with 2 lanes of 1024 tokens" in log
+        assert "--prefill-chunk is retired" in log and "with 2 lanes of 1024 tokens" in log
+        # the last of --no-tui and --tui wins: the monitor ran, and the log went to <sessions>/logs
+        assert (proc.sessions / "logs" / "superfluid.0.jsonl").exists()
     finally:
         proc.stop()
 

@@ -3,35 +3,16 @@ serving as soon as one on an empty directory, and loads each session when it is 
 
 from __future__ import annotations
 
-import sqlite3
+import sys
 import time
 from pathlib import Path
 
 from conftest import GREEDY, DaemonProcess, new_session, say
 
-from superfluid.protocol import jsoncodec
-from superfluid.protocol.schema import EventBody, Request, Response
-from superfluid.store.log import SessionLog
+from superfluid.protocol.schema import Request, Response
 
-B = EventBody
-SESSIONS = 10_000
-EVENTS_EACH = 100
-
-
-def write_big_log(directory: Path) -> None:
-    """SESSIONS sessions of EVENTS_EACH events each, written straight into the log's tables."""
-    SessionLog(directory).close()  # the schema
-    created = jsoncodec.dumps(B.Created(None, GREEDY), EventBody)
-    message = jsoncodec.dumps(B.Message(1, "a line of an old conversation", list(range(100, 112))), EventBody)
-    db = sqlite3.connect(directory / "sessions.db")
-    db.execute("BEGIN")
-    for session in range(1, SESSIONS + 1):
-        rows = [(session, 0, 1, 1700000000000, created)]
-        rows += [(session, i, 1, 1700000000000 + i, message) for i in range(1, EVENTS_EACH)]
-        db.executemany("INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (?, ?, ?, ?, ?)", rows)
-        db.execute("INSERT INTO lineage (session, parent) VALUES (?, NULL)", (session,))
-    db.execute("COMMIT")
-    db.close()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from startup import EVENTS_EACH, SESSIONS, write_big_log  # bench/startup.py: the same log the bench starts on
 
 
 def started(root: Path) -> tuple[DaemonProcess, float]:
