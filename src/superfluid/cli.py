@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from .logsetup import LogPane, parse_directive, setup_logging
         from .serve import run
         from .transports.access import load_policy
-        from .transports.listener import split_address
-        from .transports.web import parse_web_address
+        from .transports.addresses import parse_web_address, split_address
 
         try:
             parse_directive(args.log_filter)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import ServeConfig
@@ -18,20 +20,36 @@ from .logsetup import LogPane
 from .metrics import Metrics
 from .runtime import Models
 from .store.sessions import SessionStore
-from .transports.chat_http import HttpPolicy
-from .transports.http import ApiServer
 from .transports.socket import SocketServer
-from .transports.web import WebServer, mint_token
+
+if TYPE_CHECKING:
+    from .transports.http import ApiServer
 
 log = logging.getLogger("superfluid")
 
 IDLE_CHECK_S = 5.0
 
 
+# the HTTP listeners' modules (FastAPI, pydantic, uvicorn: about 0.4 s to import) load on a
+# thread while the models load, which mostly waits for the worker process
+HTTP_MODULES = ("superfluid.transports.http", "superfluid.transports.web", "superfluid.transports.chat_http")
+
+
+def _import_http() -> threading.Thread:
+    def load() -> None:
+        for name in HTTP_MODULES:
+            importlib.import_module(name)
+
+    thread = threading.Thread(target=load, name="superfluid-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
+    imports = _import_http()
     models = Models(config)
     for ref in config.models or [None]:
         models.add(ref)
@@ -44,6 +62,11 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         daemon.stop()
         store.close()
         raise
+    imports.join()
+    from .transports.chat_http import HttpPolicy
+    from .transports.http import ApiServer
+    from .transports.web import WebServer, mint_token
+
     default = daemon.runtime
     known = daemon.start()
     socket_server = SocketServer(daemon, config.socket)

@@ -20,8 +20,9 @@ from starlette.responses import PlainTextResponse, Response
 from ..daemon import Daemon
 from . import anthropic, embeddings, models, ollama, openai, responses, status
 from .access import AccessGate, Key
+from .addresses import split_address
 from .chat_http import HttpPolicy
-from .listener import HttpListener, split_address
+from .listener import HttpListener
 
 BODY_LIMIT = 100 << 20
 

@@ -25,14 +25,6 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """`host:port` (or `[v6]:port`) into its parts; ValueError when it is not one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{address!r} is not an address: give HOST:PORT, such as 127.0.0.1:8453")
-    return host.strip("[]"), int(port)
-
-
 class HttpListener:
     """Serves `app` on one address."""
 

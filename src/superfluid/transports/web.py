@@ -41,6 +41,7 @@ from ..protocol.schema import Request
 from ..protocol.schema import Response as Reply
 from ..protocol.types import U32, U64, Struct
 from ..ratelimit import TokenBucket, retry_after_header, retry_after_ms
+from .addresses import LOOPBACK_HOSTS, parse_web_address
 from .connection import Connection
 from .listener import HttpListener
 
@@ -51,7 +52,6 @@ TOKEN_PROTOCOL = "superfluid.token."
 BODY_LIMIT = 2 << 20
 WS_INBOUND_QUEUE = 32
 KEEPALIVE_S = 15.0
-LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
 STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (/web/stream), not /web/rpc"
 PAGE = Path(__file__).resolve().parent.parent / "views" / "web"
 PAGE_FILES = {
@@ -81,17 +81,6 @@ class StreamRequest(Struct):
     max_tokens: U32
     provisional: bool | None
     ignore_eos: bool | None = None
-
-
-def parse_web_address(address: str) -> tuple[str, int]:
-    """`127.0.0.1:PORT`, `[::1]:PORT` or `localhost:PORT`; anything else is refused."""
-    host, sep, port = address.rpartition(":")
-    if not sep or host not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
-        raise ValueError(
-            f"--web {address!r} is refused: the browser transport listens on loopback only; "
-            "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"
-        )
-    return host.strip("[]"), int(port)
 
 
 def mint_token(path: Path) -> str:

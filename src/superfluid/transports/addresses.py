@@ -1,0 +1,24 @@
+"""Listener addresses as flags give them: parsed and refused before anything heavy loads."""
+
+from __future__ import annotations
+
+LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) into its parts; ValueError when it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{address!r} is not an address: give HOST:PORT, such as 127.0.0.1:8453")
+    return host.strip("[]"), int(port)
+
+
+def parse_web_address(address: str) -> tuple[str, int]:
+    """`127.0.0.1:PORT`, `[::1]:PORT` or `localhost:PORT`; anything else is refused."""
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"--web {address!r} is refused: the browser transport listens on loopback only; "
+            "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"
+        )
+    return host.strip("[]"), int(port)
