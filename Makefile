@@ -82,12 +82,14 @@ $(PEERS)/exact/bin/llama-batched-bench: | $(STAMP)
 	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
 
 # The browser tests drive Debian's chromium with Playwright (no browser download); the monitor's
-# smoke test runs `superfluid serve` on tmux's pseudo-terminal.
-SYSTEM_PACKAGES := chromium tmux
+# smoke test runs `superfluid serve` on tmux's pseudo-terminal;
+# the PostgreSQL store's tests start a cluster of their own: Debian's postgresql (initdb off PATH)
+SYSTEM_PACKAGES := chromium tmux postgresql
 system-packages:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || \
+		ls /usr/lib/$$p/*/bin/initdb >/dev/null 2>&1 || echo $$p; done); \
 	[ -z "$$missing" ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
-		{ echo "make test needs Debian's $$missing for the browser and terminal tests: apt-get install $$missing"; exit 1; }
+		{ echo "make test needs Debian's $$missing for the browser, terminal and PostgreSQL tests: apt-get install $$missing"; exit 1; }
 
 clean:
 	rm -rf $(VENV)

@@ -16,7 +16,7 @@ from peer import Superfluid
 
 from superfluid.protocol import jsoncodec
 from superfluid.protocol.schema import EventBody, GenParams, Request, Response
-from superfluid.store.log import SessionLog
+from superfluid.store.sqlite import SqliteLog
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 SESSIONS = 10_000
@@ -26,7 +26,7 @@ STARTS = 5
 
 def write_big_log(directory: Path, sessions: int = SESSIONS, events_each: int = EVENTS_EACH) -> None:
     """`sessions` sessions of `events_each` events each, written straight into the log's tables."""
-    SessionLog(directory).close()  # the schema
+    SqliteLog(directory).close()  # the schema
     created = jsoncodec.dumps(EventBody.Created(None, GREEDY), EventBody)
     message = jsoncodec.dumps(EventBody.Message(1, "a line of an old conversation", list(range(100, 112))), EventBody)
     db = sqlite3.connect(directory / "sessions.db")

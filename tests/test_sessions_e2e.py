@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import (
     WebDaemon,
     end_turn,
     forced,
+    fresh_database,
     generate,
     generated_tokens,
     new_session,
@@ -36,6 +38,31 @@ from superfluid.protocol.schema import (
 
 B = EventBody
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on both session logs: SQLite under --sessions, and PostgreSQL (--store)."""
+    return request.param
+
+
+def store_flags(kind: str, request: pytest.FixtureRequest) -> tuple[str, ...]:
+    return () if kind == "sqlite" else ("--store", fresh_database(request.getfixturevalue("postgres")))
+
+
+@pytest.fixture
+def store(store_kind: str, request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """The flags of a daemon that a test starts itself: a fresh database each time, on PostgreSQL."""
+    return store_flags(store_kind, request)
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    store_kind: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WebDaemon]:
+    proc = WebDaemon(tmp_path_factory.mktemp("daemon"), *store_flags(store_kind, request)).start()
+    yield proc
+    proc.stop()
 
 
 def kinds(events: list) -> list[str]:
@@ -143,8 +170,8 @@ def test_fork_shares_history_and_starts_warm(sf: SocketClient) -> None:
     assert (child, parent, head) in nodes and (early, parent, 2) in nodes
 
 
-def test_forks_taken_right_after_a_generation_start_warm(tmp_path: Path) -> None:
-    proc = DaemonProcess(tmp_path).start()  # a fresh daemon: its slots hold only what this test left
+def test_forks_taken_right_after_a_generation_start_warm(tmp_path: Path, store: tuple[str, ...]) -> None:
+    proc = DaemonProcess(tmp_path, *store).start()  # a fresh daemon: its slots hold only what this test left
     try:
         with proc.client() as c:
             session = new_session(c, GenParams(0.0, 0.95, 0.0, 0, 1))
@@ -287,8 +314,8 @@ def test_bad_input_gets_a_clear_err_and_writes_nothing(sf: SocketClient, make, m
     assert isinstance(sf.call(Request.List()), Response.Sessions), "the daemon goes on serving"
 
 
-def test_generate_on_an_empty_session_or_past_the_window(tmp_path: Path) -> None:
-    proc = DaemonProcess(tmp_path, max_context=512).start()
+def test_generate_on_an_empty_session_or_past_the_window(tmp_path: Path, store: tuple[str, ...]) -> None:
+    proc = DaemonProcess(tmp_path, *store, max_context=512).start()
     try:
         with proc.client() as sf:
             empty = new_session(sf)
@@ -371,8 +398,8 @@ def test_concurrent_sessions_match_their_solo_runs(daemon: DaemonProcess) -> Non
     assert results == solo
 
 
-def test_sigkill_mid_generation_loses_nothing_seen(tmp_path: Path) -> None:
-    proc = DaemonProcess(tmp_path).start()
+def test_sigkill_mid_generation_loses_nothing_seen(tmp_path: Path, store: tuple[str, ...]) -> None:
+    proc = DaemonProcess(tmp_path, *store).start()
     try:
         with proc.client() as c:
             session = new_session(c, GenParams(0.8, 0.95, 0.0, 40, 77))
@@ -422,8 +449,8 @@ def test_append_system_declares_tools_first(sf: SocketClient) -> None:
     assert isinstance(refused, Response.Err) and "already has a prompt" in refused.message
 
 
-def test_everything_survives_a_restart(tmp_path: Path) -> None:
-    proc = DaemonProcess(tmp_path).start()
+def test_everything_survives_a_restart(tmp_path: Path, store: tuple[str, ...]) -> None:
+    proc = DaemonProcess(tmp_path, *store).start()
     try:
         params = GenParams(0.7, 0.95, 0.05, 20, 123456789)
         with proc.client() as c:
@@ -448,11 +475,11 @@ def test_everything_survives_a_restart(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_the_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
+def test_the_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path, store: tuple[str, ...]) -> None:
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(tmp_path / "sf.sock"))
     stale.close()  # the file stays, as after a kill -9
-    proc = DaemonProcess(tmp_path).start()
+    proc = DaemonProcess(tmp_path, *store).start()
     try:
         assert (tmp_path / "sf.sock").stat().st_mode & 0o777 == 0o600
         with proc.client() as c:
@@ -461,8 +488,8 @@ def test_the_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> No
         proc.stop()
 
 
-def test_subscribe_on_the_socket(tmp_path: Path) -> None:
-    proc = DaemonProcess(tmp_path).start()
+def test_subscribe_on_the_socket(tmp_path: Path, store: tuple[str, ...]) -> None:
+    proc = DaemonProcess(tmp_path, *store).start()
     try:
         with proc.client() as watcher, proc.client() as writer:
             session = new_session(writer)
@@ -505,11 +532,11 @@ def test_complete_is_metered_per_connection(daemon: DaemonProcess) -> None:
         assert isinstance(second.call(Request.Complete("x", "", 0, 4)), Response.Err)
 
 
-def test_repeated_kills_at_random_moments_lose_nothing(tmp_path: Path) -> None:
+def test_repeated_kills_at_random_moments_lose_nothing(tmp_path: Path, store: tuple[str, ...]) -> None:
     import random
 
     rng = random.Random(7)
-    proc = DaemonProcess(tmp_path).start()
+    proc = DaemonProcess(tmp_path, *store).start()
     seen: dict[int, object] = {}
     try:
         with proc.client() as c:

@@ -8,11 +8,14 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from conftest import fresh_database
 
 from superfluid.protocol.schema import EventBody, EventMsg, GenParams, PurgeMode
 from superfluid.protocol.wal import MAGIC, WalCorrupt, encode_record, read_log
 from superfluid.store.log import SessionLog, StoreLocked
+from superfluid.store.postgres import PostgresLog
 from superfluid.store.sessions import SessionStore
+from superfluid.store.sqlite import SqliteLog
 from superfluid.store.state import SessionState, SessionTable
 
 B = EventBody
@@ -47,9 +50,28 @@ def snapshot(store: SessionStore) -> dict:
     return {s.id: view(s) for s in [*store.live(), *(s for s in store.table.sessions.values() if s.purged)]}
 
 
-def replayed(directory: Path) -> dict:
+class Stores:
+    """Opens the store of one test again and again, as restarts do, on SQLite or PostgreSQL."""
+
+    def __init__(self, directory: Path, url: str | None) -> None:
+        self.directory, self.url = directory, url
+
+    def log(self) -> SessionLog:
+        return PostgresLog(self.url) if self.url else SqliteLog(self.directory)
+
+    def open(self) -> SessionStore:
+        return SessionStore(self.directory, self.log())
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
+    url = fresh_database(request.getfixturevalue("postgres")) if request.param == "postgresql" else None
+    return Stores(tmp_path, url)
+
+
+def replayed(stores: Stores) -> dict:
     """Every session as one replay of the whole log, in commit order, makes it."""
-    log, table = SessionLog(directory), SessionTable()
+    log, table = stores.log(), SessionTable()
     for record in log.replay():
         table.apply(record.session, record.event)
     log.close()
@@ -61,8 +83,8 @@ def kinds(state: SessionState | None) -> list[str]:
     return [type(e.body).__name__ for e in state.events]
 
 
-def test_commit_then_replay_gives_the_same_state(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
+def test_commit_then_replay_gives_the_same_state(stores: Stores) -> None:
+    store = stores.open()
     a = store.reserve_id()
     store.commit([(a, B.Created(None, P))])
     store.commit([(a, B.Message(1, "hi", [10, 11])), (a, B.GenerationPrompt([12]))])
@@ -73,7 +95,7 @@ def test_commit_then_replay_gives_the_same_state(tmp_path: Path) -> None:
     store.commit([(a, B.MetaUpdated(1, "title", None))])
     store.close()
 
-    again = SessionStore(tmp_path)
+    again = stores.open()
     fork = again.get(b)
     assert fork is not None and set(again.table.sessions) == {b}, "a session is loaded when first used"
     # the fork holds the parent's events 0..1 by reference, then its own Forked at id 2, then
@@ -88,13 +110,13 @@ def test_commit_then_replay_gives_the_same_state(tmp_path: Path) -> None:
     assert again.get(a).tokens == [10, 11, 12, 13, 14] and again.get(a).children == [b]  # type: ignore[union-attr]
     lazy = snapshot(again)
     again.close()
-    assert lazy == replayed(tmp_path)
+    assert lazy == replayed(stores)
 
 
-def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(tmp_path: Path) -> None:
+def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(stores: Stores) -> None:
     """Forks of forks, rebases, purges of both kinds, reroots, pins and QoS, in a random order."""
     rng = random.Random(7)
-    store = SessionStore(tmp_path)
+    store = stores.open()
     for _ in range(400):
         live = [s for s in store.live() if not s.purged]
         action = rng.choice(["create", "fork", "rebase", "append", "append", "meta", "qos", "pin", "purge"])
@@ -138,15 +160,15 @@ def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(tmp_path: Pa
             store.commit(writes)
         if rng.random() < 0.03:  # a restart now and then: what was in memory is read again, lazily
             store.close()
-            store = SessionStore(tmp_path)
+            store = stores.open()
     store.close()
-    again = SessionStore(tmp_path)
+    again = stores.open()
     pins = {s.id for s in again.pinned()}
     lazy = snapshot(again)
     assert pins == {sid for sid, v in lazy.items() if v[14] and not v[7]}
     count = again.count()
     again.close()
-    assert lazy == replayed(tmp_path) and count == len(lazy) > 50
+    assert lazy == replayed(stores) and count == len(lazy) > 50
 
 
 def test_a_log_of_schema_version_1_gets_its_lineage_rebuilt(tmp_path: Path) -> None:
@@ -177,31 +199,31 @@ def test_forked_records_are_not_copied_into_the_log(tmp_path: Path) -> None:
     assert rows == [(a, 0), (a, 1), (b, 2)]
 
 
-def test_epoch_bump_fences_every_live_session(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
+def test_epoch_bump_fences_every_live_session(stores: Stores) -> None:
+    store = stores.open()
     a, b = store.reserve_id(), store.reserve_id()
     store.commit([(a, B.Created(None, P)), (b, B.Created(None, P))])
     store.commit([(b, B.Purged(1, PurgeMode.Cascade()))])
     store.close()
-    again = SessionStore(tmp_path)
+    again = stores.open()
     assert again.fenced == 0, "nothing is read at open"
     assert again.get(b).purged and again.get(b).events == [] and again.fenced == 0  # type: ignore[union-attr]
     assert kinds(again.get(a)) == ["Created", "EpochBump"] and again.fenced == 1
     again.commit([(a, B.Appended(None, [1]))])
     assert [e.epoch for e in again.get(a).events] == [1, 2, 2]  # type: ignore[union-attr]
     again.close()
-    third = SessionStore(tmp_path)
+    third = stores.open()
     assert kinds(third.get(a)) == ["Created", "EpochBump", "Appended", "EpochBump"]
     assert third.get(a).epoch == 3  # type: ignore[union-attr]
     third.close()
 
 
-def test_session_ids_are_never_reused(tmp_path: Path) -> None:
-    store = SessionStore(tmp_path)
+def test_session_ids_are_never_reused(stores: Stores) -> None:
+    store = stores.open()
     a = store.reserve_id()
     store.commit([(a, B.Created(None, P)), (a, B.Purged(1, PurgeMode.Cascade()))])
     store.close()
-    again = SessionStore(tmp_path)
+    again = stores.open()
     assert again.reserve_id() == a + 1
     again.close()
 

@@ -22,7 +22,7 @@ from test_browser import serve_pages
 
 from superfluid.protocol import jsoncodec
 from superfluid.protocol.schema import EventBody
-from superfluid.store.log import SessionLog
+from superfluid.store.sqlite import SqliteLog
 
 OUT = Path(__file__).resolve().parent.parent / "test-output" / "web-ui"
 BIG_SESSION = 1
@@ -33,7 +33,7 @@ WAIT_MS = 120_000
 
 def write_big_session(directory: Path) -> None:
     """Session 1: a conversation of BIG_EVENTS events, written straight into the log's tables."""
-    SessionLog(directory).close()  # the schema
+    SqliteLog(directory).close()  # the schema
     rows = [(BIG_SESSION, 0, 1, 1700000000000, jsoncodec.dumps(EventBody.Created(None, GREEDY), EventBody))]
     for i in range(1, BIG_EVENTS):
         body = EventBody.Message(1 + i % 2, f"line {i} of a long conversation", [100 + i % 50, 200])

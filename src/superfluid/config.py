@@ -96,6 +96,7 @@ class ServeConfig:
     log_file: Path | None = None
     log_dir: Path | None = None
     tui: bool = False  # the terminal monitor (--tui; on by default when stdout is a terminal)
+    store: str | None = None  # a PostgreSQL URL for the session log; None: SQLite under `sessions`
     speculate: str = "off"  # off, auto or prompt-lookup
     spec_draft_tokens: int = 4
     spec_adaptive: bool = True

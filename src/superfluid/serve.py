@@ -19,6 +19,7 @@ from .daemon import Daemon
 from .logsetup import LogPane
 from .metrics import Metrics
 from .runtime import Models
+from .store.postgres import open_log
 from .store.sessions import SessionStore
 from .transports.socket import SocketServer
 
@@ -53,7 +54,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     models = Models(config)
     for ref in config.models or [None]:
         models.add(ref)
-    store = SessionStore(config.sessions)
+    store = SessionStore(config.sessions, open_log(config.store) if config.store else None)
     daemon = Daemon(store, models, metrics=Metrics())
     try:
         for model_id in list(models.known):  # every model named at start is loaded at start

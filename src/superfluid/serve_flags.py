@@ -106,6 +106,15 @@ def _speculate(text: str) -> str:
     return text
 
 
+def _store_url(text: str) -> str:
+    if not text.startswith(("postgresql://", "postgres://")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a store this build knows: give postgresql://USER@HOST/DB (or leave --store out for "
+            "the SQLite log under --sessions)"
+        )
+    return text
+
+
 def _draft_tokens(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 15:
         raise argparse.ArgumentTypeError(f"{text!r}: a draft holds 1 to 15 tokens")
@@ -213,6 +222,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help=f"directory of the session log; one daemon per directory (default: {default_sessions()}, "
         "under $SUPERFLUID_HOME)",
+    )
+    server.add_argument(
+        "--store",
+        type=_store_url,
+        default=None,
+        metavar="URL",
+        help="keep the session log in PostgreSQL (postgresql://USER@HOST/DB) instead of SQLite under --sessions, "
+        "so that several daemons share it (default: SQLite)",
     )
     server.add_argument(
         "--socket",
@@ -543,6 +560,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         log_file=args.log_file,
         log_dir=args.log_dir,
         tui=sys.stdout.isatty() if args.tui is None else args.tui,
+        store=args.store,
         speculate=args.speculate,
         spec_draft_tokens=args.spec_draft_tokens,
         spec_adaptive=args.spec_adaptive,

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..protocol.schema import EventBody, EventMsg
 from ..protocol.wal import read_log
 from .log import Record, SessionLog
+from .sqlite import SqliteLog
 from .state import SessionState, SessionTable
 
 B = EventBody
@@ -35,13 +36,14 @@ def now_ms() -> int:
 class SessionStore:
     """Durable sessions: each replayed from the log when first used, extended by `commit`."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, log: SessionLog | None = None) -> None:
+        """The sessions under `directory` (media and park files stay there), their log in SQLite
+        there too unless another `log` is given."""
         self.directory = directory
-        self.log = SessionLog(directory)
+        self.log = log if log is not None else SqliteLog(directory)
         self.table = SessionTable()
         self.lock = threading.RLock()
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
-        self._reserved = self.log.last_session() + 1
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
 
     def _import_reference_log(self, path: Path) -> int:
@@ -65,7 +67,7 @@ class SessionStore:
 
     def get(self, session_id: int) -> SessionState | None:
         state = self.table.sessions.get(session_id)
-        if state is None and 0 < session_id < self._reserved:
+        if state is None and session_id > 0:
             with self.lock:
                 self._load([session_id])
                 state = self.table.sessions.get(session_id)
@@ -121,10 +123,7 @@ class SessionStore:
 
     def reserve_id(self) -> int:
         """A fresh session id for a record that starts a session (Created, Forked, Rebased)."""
-        with self.lock:
-            session_id = self._reserved
-            self._reserved = session_id + 1
-            return session_id
+        return self.log.reserve_session()
 
     def commit(self, writes: Sequence[tuple[int, EventBody]]) -> list[EventMsg]:
         """Append records (session id, body) in one transaction; returns the committed events."""
