@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 from pathlib import Path
@@ -76,11 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch running daemons: one row each, from their /metrics",
         description="Poll each daemon's /metrics once a second: whether it is up (or answers 401), its KV "
         "pool, decode tok/s, lanes busy and queue depth, and the total decode rate as a sparkline. q quits.",
-        epilog="  superfluid top 127.0.0.1:8453\n  superfluid top --api-key $KEY gpu1:8453 gpu2:8453",
+        epilog="  superfluid top 127.0.0.1:8453\n  SUPERFLUID_API_KEY=... superfluid top gpu1:8453 gpu2:8453",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     top.add_argument("addresses", nargs="+", metavar="HOST:PORT", help="a daemon's HTTP listener (its --http)")
-    top.add_argument("--api-key", default=None, metavar="KEY", help="sent as a Bearer token, for keyed daemons")
+    top.add_argument(
+        "--api-key",
+        default=os.environ.get("SUPERFLUID_API_KEY"),
+        metavar="KEY",
+        help="sent as a Bearer token, for keyed daemons (default: $SUPERFLUID_API_KEY, which keeps it out of ps)",
+    )
     commands.add_parser("version", help="print the version")
     return parser
 

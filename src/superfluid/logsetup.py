@@ -85,6 +85,19 @@ class LogPane(logging.Handler):
         except Exception:
             self.handleError(record)
 
+    def detach(self) -> None:
+        """The monitor is gone: what it did not draw, and what is logged from now on, goes to stderr."""
+        root = logging.getLogger()
+        root.removeHandler(self)
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setFormatter(LINE_FORMAT)
+        root.addHandler(stderr)
+        while True:
+            try:
+                print(self.lines.get_nowait(), file=sys.stderr)
+            except queue.Empty:
+                return
+
 
 def setup_logging(
     directive: str = "info", log_file: Path | None = None, log_dir: Path | None = None, pane: LogPane | None = None

@@ -164,7 +164,11 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     if config.worker_process:
         environment = fast_environment(library) if library is not None else None
         worker = WorkerEngine(path, shape, model.end_of_generation, environment=environment)
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            worker.close()  # its shared memory goes with it
+            raise
         engine = worker
     else:
         engine = LocalEngine(LlamaContext(model, shape))

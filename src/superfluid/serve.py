@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 import signal
@@ -93,25 +92,27 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         f" with {config.max_batch} lanes"
         f" of {default.window} tokens; sessions {config.sessions} ({known} in the log); socket {config.socket}"
     )
-    print(heading, flush=True)
-    for other in models.loaded()[1:]:
-        print(f"also serving {other.id} ({other.model.path}) on {other.kernels} kernels", flush=True)
+    lines = [heading]
+    lines += [
+        f"also serving {other.id} ({other.model.path}) on {other.kernels} kernels" for other in models.loaded()[1:]
+    ]
     if web_server is not None:
-        print(f"web: {web_server.page_url(url)} (the token is also in {token_path})", flush=True)
+        lines.append(f"web: {web_server.page_url(url)} (the token is also in {token_path})")
     if api_server is not None:
-        print(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)", flush=True)
-        if not api_server.gate.keyed:
-            if api_server.loopback:
-                log.info("the HTTP API takes no key; it listens on this machine only")
-            else:
-                log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)
+        lines.append(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)")
+    print("\n".join(lines), flush=True)
+    if api_server is not None and not api_server.gate.keyed:
+        if api_server.loopback:
+            log.info("the HTTP API takes no key; it listens on this machine only")
+        else:
+            log.warning("the HTTP API listens on %s beyond this machine, with no credential", config.http)
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, drain.set)
     idle = asyncio.create_task(_unload_idle(models, config.idle_timeout)) if config.idle_timeout else None
-    monitor = _start_monitor(daemon, heading, pane, stop) if config.tui else None
+    monitor = _start_monitor(daemon, "\n".join(lines), pane, stop) if config.tui else None  # the same lines
     try:
         await _first(stop.wait(), drain.wait())
         if drain.is_set() and not stop.is_set():
@@ -120,7 +121,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         if idle is not None:
             idle.cancel()
         if monitor is not None:
-            await _stop_monitor(*monitor)
+            await _stop_monitor(*monitor, pane)
         log.info("stopping")
         daemon.bus.close()
         await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
@@ -149,12 +150,20 @@ def _start_monitor(
     return app, task
 
 
-async def _stop_monitor(app: Any, task: asyncio.Task[Any]) -> None:
-    """Close the monitor (the terminal is given back) before the daemon's own stop."""
+async def _stop_monitor(app: Any, task: asyncio.Task[Any], pane: LogPane | None) -> None:
+    """Close the monitor (the terminal is given back) before the daemon's own stop; from then on
+    the log goes to stderr again, and a monitor that failed says why."""
     if not task.done():
         app.exit()
-    with contextlib.suppress(Exception):
+    failure: BaseException | None = None
+    try:
         await asyncio.wait_for(task, 5)
+    except Exception as e:
+        failure = e
+    if pane is not None:
+        pane.detach()
+    if failure is not None:
+        log.error("the terminal monitor failed: %s", failure, exc_info=failure)
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
@@ -200,6 +209,8 @@ def run(config: ServeConfig, pane: LogPane | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     except Exception as e:  # start-up failures: say what and exit 1
+        if pane is not None and pane in logging.getLogger().handlers:
+            pane.detach()  # no monitor will draw what was logged before the failure
         if log.isEnabledFor(logging.DEBUG):
             log.exception("serve failed")
         print(f"superfluid: {e}", file=sys.stderr)

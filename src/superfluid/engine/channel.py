@@ -233,12 +233,23 @@ class WorkerEngine:
     def export(self, seq: int) -> bytes:
         with self._calling:
             (size,) = wire.read_ints(self._call(wire.EXPORT, wire.ints(seq)), 1)
-            return bytes(self._shared.view(size))  # the host tier's copy: it outlives the worker
+            try:
+                return bytes(self._shared.view(size))  # the host tier's copy: it outlives the worker
+            except OSError as e:
+                raise EngineError(f"a KV state of {size} bytes could not be read from shared memory: {e}") from None
+            finally:
+                self._shared.release()
 
     def restore(self, seq: int, data: bytes) -> None:
         with self._calling:
-            self._shared.view(len(data))[:] = data
-            self._call(wire.RESTORE, wire.ints(seq, len(data)))
+            try:
+                self._shared.view(len(data))[:] = data
+            except OSError as e:
+                raise EngineError(f"no shared memory for a KV state of {len(data)} bytes: {e}") from None
+            try:
+                self._call(wire.RESTORE, wire.ints(seq, len(data)))
+            finally:
+                self._shared.release()
 
     def open_grammar(self, gbnf: str) -> int:
         (handle,) = wire.read_ints(self._call(wire.OPEN_GRAMMAR, gbnf.encode("utf-8")), 1)

@@ -46,7 +46,9 @@ class Draw:
     ignore_eos: bool = False
     grammar: int = 0  # an `open_grammar` handle; 0 for none
     shaping: int = 0  # an `open_shaping` handle; 0 for none
-    run: int = 1  # tokens it may draw in this call, each decoded before the next; an end of generation stops it
+    # tokens it may draw in this call, each decoded before the next; an end of generation stops it (a
+    # verified draft's tokens count toward it, and may pass it: they come from one decode)
+    run: int = 1
     # the next `verify` draws are rows of the same lane whose inputs are drafted tokens: each draft
     # stands while it equals what the row before it drew, and this draw takes every token drawn so
     # (theirs stay empty); the lane's KV loses the drafts that did not stand
@@ -85,7 +87,8 @@ class Engine(Protocol):
     def copy_pending(self) -> bool: ...
 
     def step(self, step: Step) -> list[list[int]]:
-        """The tokens each draw drew, in order: one, or up to its `run`."""
+        """The tokens each draw drew, in order: one, up to its `run`, or for a draw that verifies
+        drafts the drafts that stood and the token after them (its drafted rows' lists are empty)."""
         ...
 
     def copy(self, source: int, target: int, length: int) -> None: ...

@@ -70,16 +70,18 @@ class ChannelClosed(ConnectionError):
 class SharedRegion:
     """A memory file both ends of a channel map, for KV states: it grows (by whichever side needs
     more room) in steps of `GROWTH` bytes, and each side maps what the file holds when it needs it.
-    Pages are taken only as they are written."""
+    Pages are taken only as they are written; after a transfer, those beyond the first `GROWTH`
+    bytes are given back (`release`), so a long state does not hold memory once it has crossed."""
 
     GROWTH = 64 << 20
 
     def __init__(self, fd: int | None = None) -> None:
-        self.fd = os.memfd_create("superfluid-kv", 0) if fd is None else fd
+        self.fd = os.memfd_create("superfluid-kv") if fd is None else fd
         self._map: mmap.mmap | None = None
 
     def view(self, size: int) -> memoryview:
-        """The first `size` bytes, writable; the file grows first when it is shorter."""
+        """The first `size` bytes, writable; the file grows first when it is shorter. OSError when
+        the memory cannot be had."""
         if os.fstat(self.fd).st_size < size:
             os.ftruncate(self.fd, -(-size // self.GROWTH) * self.GROWTH)
         if self._map is None or len(self._map) < size:
@@ -87,6 +89,11 @@ class SharedRegion:
                 self._map.close()
             self._map = mmap.mmap(self.fd, os.fstat(self.fd).st_size)
         return memoryview(self._map)[:size]
+
+    def release(self) -> None:
+        """Give back the pages beyond the first `GROWTH` bytes (the file keeps its size)."""
+        if self._map is not None and len(self._map) > self.GROWTH:
+            self._map.madvise(mmap.MADV_REMOVE, self.GROWTH, len(self._map) - self.GROWTH)
 
     def close(self) -> None:
         """Unmap it and close the file: its pages are freed once the other side has done the same."""

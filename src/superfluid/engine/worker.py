@@ -87,6 +87,8 @@ def _answer(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: 
         return wire.KV_FULL, str(e).encode()
     except (EngineError, GrammarError) as e:
         return wire.FAILED, str(e).encode()
+    except Exception as e:  # a call that fails here ends the call, not the worker and its KV
+        return wire.FAILED, f"{type(e).__name__}: {e}".encode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,6 +119,7 @@ class Park:
         self._lock = threading.Lock()
         self._indexed = threading.Event()
         self._writes: queue.Queue[tuple[np.ndarray, bytes] | threading.Event] = queue.Queue()
+        self._pending: set[str] = set()  # names handed to the writer and not on disk yet
         directory.mkdir(parents=True, exist_ok=True)
         self._writer = threading.Thread(target=self._write_loop, name="superfluid-park", daemon=True)
         self._writer.start()
@@ -176,12 +177,19 @@ class Park:
     # ---- writing ----
 
     def put(self, tokens: np.ndarray, state: bytes) -> None:
-        """Park `state` (the KV of `tokens`) on the writer thread; returns at once."""
-        if _name(tokens) not in self.entries:
-            self._writes.put((np.array(tokens, dtype=np.int32), state))
+        """Park `state` (the KV of `tokens`) on the writer thread; returns at once. A state parked
+        already, or on its way, is not queued twice."""
+        name = _name(tokens)
+        with self._lock:
+            if name in self.entries or name in self._pending:
+                return
+            self._pending.add(name)
+        self._writes.put((np.array(tokens, dtype=np.int32), state))
 
     def holds(self, tokens: np.ndarray) -> bool:
-        return _name(tokens) in self.entries
+        """True when the state of `tokens` is parked, or handed to the writer."""
+        name = _name(tokens)
+        return name in self.entries or name in self._pending
 
     def flush(self) -> None:
         """Wait until every state handed over is on disk (and the files found at start are indexed)."""
@@ -204,6 +212,9 @@ class Park:
                 self._write(tokens, state)
             except OSError as e:
                 log.warning("could not park a state of %d tokens: %s", len(tokens), e)
+            finally:
+                with self._lock:
+                    self._pending.discard(_name(tokens))
 
     def _write(self, tokens: np.ndarray, state: bytes) -> None:
         name = _name(tokens)

@@ -33,6 +33,7 @@ in one transaction.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -362,16 +363,16 @@ class Scheduler:
         except WorkerGone:
             with self._cv:
                 self._worker_gone = True
-        except EngineError as e:
-            log.warning("housekeeping between ticks failed: %s", e)
+        except Exception:
+            log.exception("housekeeping between ticks failed")
 
     def _slot_to_free(self) -> int | None:
         """With every slot taken, the least valuable unpinned idle entry's, when host memory or the
         park can keep it: exporting it costs tens of milliseconds, better spent while nothing runs
         than by the next arrival. With neither, entries stay until a job needs their slot (and knows
         which entry it must not lose)."""
-        if self._free_seqs or not (self.cache.host.budget or self.park is not None):
-            return None
+        if self._free_seqs or self.engine.copy_pending or not (self.cache.host.budget or self.park is not None):
+            return None  # a copy still pending moves its slots at the next decode: nothing is exported before
         now = self.now_ms()
         victim = self.cache.victim(now)
         return None if victim is None or self.cache.entries[victim].pinned(now) else victim
@@ -653,13 +654,15 @@ class Scheduler:
         """Empty an idle entry's slot, exporting the entry to host memory when it is worth it (an
         export takes the engine for tens of milliseconds, while someone waits for the slot: an entry
         the park holds is not exported again)."""
-        entry = self.cache.remove(victim)
+        entry = self.cache.entries[victim]
         worth = len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None)
         if worth and not self._saved(entry.tokens):
-            # host memory first; the park takes what it cannot keep, on its own thread
+            # host memory first; the park takes what it cannot keep, on its own thread (an export that
+            # fails leaves the entry where it was)
             self.cache.host.add(entry.tokens, self.engine.export(victim))
             if self.cache.host.budget:
                 self.stats.exports += 1
+        self.cache.remove(victim)
         self.engine.truncate(victim, 0)
         self._free_seqs.append(victim)
         self.stats.evictions += 1
@@ -714,12 +717,13 @@ class Scheduler:
             hashlib.blake2b(state, digest_size=16).digest()  # a parked file's check
             self.engine.restore(second, state)
             imported = time.perf_counter() - started
-            self.engine.truncate(first, 0)
-            self.engine.truncate(second, 0)
-        except EngineError as e:
+        except Exception as e:  # WorkerGone included: the first tick recovers the worker
             log.warning("the park's rates could not be measured (%s): the first resumes measure them", e)
             return
         finally:
+            for seq in (first, second):  # what the probe left in them goes before they are lent out
+                with contextlib.suppress(Exception):
+                    self.engine.truncate(seq, 0)
             self._free_seqs += [second, first]
         self._token_cost = prefill / len(probe)
         self._read_cost = imported / max(1, len(state))
@@ -821,9 +825,10 @@ class Scheduler:
                 started = time.perf_counter()
                 drawn = self.engine.step(step)
                 took = time.perf_counter() - started
-                if len(tokens) >= MIN_PREFILL + len(owners):
-                    # attention makes a token dearer as its lane grows: follow the cost closely
-                    self._token_cost = 0.5 * self._token_cost + 0.5 * took / len(tokens)
+                if not decode_only and len(tokens) >= MIN_PREFILL + len(owners):
+                    # attention makes a token dearer as its lane grows: follow the cost closely (a step
+                    # that only decodes runs on after its batch, and drafts are no prompt)
+                    self._token_cost = 0.5 * self._token_cost + 0.5 * step.first_decode_s / len(tokens)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step: %d tokens over %d lanes in %.0f ms", len(tokens), len(plan), took * 1000)
                 break
@@ -838,9 +843,7 @@ class Scheduler:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
         # llama_decode calls in this step: a run makes one per token, a verified draft one for all it keeps
-        kept = {
-            index: self._kept(drawn[index], step.tokens, want, index) for lane, index in owners if lane.seq in drafted
-        }
+        kept = {i: self._kept(drawn[i], step.tokens, want, i, drafted[ln.seq]) for ln, i in owners if ln.seq in drafted}
         decodes = max((len(drawn[index]) - kept.get(index, 0) for _, index in owners), default=1)
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
@@ -871,9 +874,9 @@ class Scheduler:
         return finished | self._retire_prefilled()
 
     @staticmethod
-    def _kept(picks: list[int], tokens: np.ndarray, want: np.ndarray, lead: int) -> int:
-        """How many of a lead draw's drafts stood: its picks agree with the drafted rows up to there."""
-        rows = np.flatnonzero(want)[lead + 1 :]
+    def _kept(picks: list[int], tokens: np.ndarray, want: np.ndarray, lead: int, count: int) -> int:
+        """How many of a lead draw's `count` drafts stood: its picks agree with the drafted rows up to there."""
+        rows = np.flatnonzero(want)[lead + 1 : lead + 1 + count]
         kept = 0
         while kept < len(picks) - 1 and kept < len(rows) and picks[kept] == tokens[rows[kept]]:
             kept += 1
@@ -930,8 +933,10 @@ class Scheduler:
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
         drafting = self._drafting(runnable)
         relative = self._draft_cost(len(decoding)) if drafting else None
+        room = self.engine.shape.batch - len(decoding)  # drafted positions the batch still holds
         for lane in decoding:
-            draft = self._draft(lane, relative) if drafting else []
+            draft = self._draft(lane, relative, room) if drafting else []
+            room -= len(draft)
             plan.append((lane, lane.feed[:1] + draft, len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
         step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
@@ -968,7 +973,7 @@ class Scheduler:
         a, b = line
         return b * lanes / max(a + b * lanes, self._decode_step_s)
 
-    def _draft(self, lane: Lane, relative_cost: float | None) -> list[int]:
+    def _draft(self, lane: Lane, relative_cost: float | None, room: int) -> list[int]:
         """The tokens prompt lookup proposes to follow a decoding lane; none where drafts cannot be
         verified as the lane would draw them (log probabilities asked, a batch-invariant lane on kernels
         that are not exact) or where the job or the window ends first."""
@@ -980,7 +985,7 @@ class Scheduler:
             return []
         if job.spec is None:
             job.spec = LaneSpec(settings.draft_tokens, settings.adaptive)
-        room = min(job.max_tokens - job.generated - 1, self.window - len(lane.held) - 2)
+        room = min(room, job.max_tokens - job.generated - 1, self.window - len(lane.held) - 2)
         limit = min(job.spec.length(self.stats.steps, relative_cost), room)
         if limit <= 0:
             return []

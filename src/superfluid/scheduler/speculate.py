@@ -16,8 +16,11 @@ its drafts may be.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+log = logging.getLogger("superfluid.scheduler")
 
 NGRAMS = (3, 2)  # a single token repeats too often to predict what follows it
 PROBE_STEPS = 12  # decode-only steps (engine calls, each up to a run of tokens) measured each way
@@ -110,6 +113,7 @@ class LaneSpec:
     stood: float = 4.0  # drafted positions that stood, and drafts cut short: decayed counts, a prior of 0.8
     cut: float = 1.0
     paused_until: int = 0  # a step number
+    explore: bool = False  # after a pause, one full draft measures the lane again
 
     @property
     def alpha(self) -> float:
@@ -120,7 +124,8 @@ class LaneSpec:
         over a plain lane's share of a decode (None while it is unknown)."""
         if step < self.paused_until:
             return 0
-        if not self.adaptive or relative_cost is None or self.proposed < ADAPT_AFTER:
+        if not self.adaptive or relative_cost is None or self.proposed < ADAPT_AFTER or self.explore:
+            self.explore = False
             return self.max_draft
         alpha, best, best_rate = self.alpha, 0, 1.0
         expected, term = 1.0, 1.0
@@ -130,7 +135,13 @@ class LaneSpec:
             rate = expected / (1.0 + relative_cost * d)
             if rate > best_rate:
                 best, best_rate = d, rate
+        if not best:  # no draft pays now: pause, then measure again, as for a lane whose drafts fail
+            self.pause(step)
         return best
+
+    def pause(self, step: int) -> None:
+        self.paused_until = step + PAUSE_STEPS
+        self.explore = True
 
     def record(self, step: int, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -138,7 +149,7 @@ class LaneSpec:
         self.stood = 0.9 * self.stood + accepted
         self.cut = 0.9 * self.cut + (accepted < proposed)
         if self.adaptive and self.proposed >= ADAPT_AFTER and self.alpha < 0.1:
-            self.paused_until = step + PAUSE_STEPS
+            self.pause(step)
             self.stood, self.cut = 4.0, 1.0  # after the pause it tries again, from the prior
 
 
@@ -200,3 +211,11 @@ class SpecProbe:
         self.speedup = on / off if off else 0.0
         self.drafting = self.speedup >= self.min_speedup
         self.phase = "hold"
+        log.info(
+            "speculation %s: drafts measured %.2fx plain decoding (%.0f vs %.0f tok/s; kept at %.2fx or more)",
+            "on" if self.drafting else "off",
+            self.speedup,
+            on,
+            off,
+            self.min_speedup,
+        )

@@ -42,7 +42,6 @@ class Figures:
     tick_in_flight: bool = False
     lanes: list[LaneFigure] = field(default_factory=list)
     lanes_total: int = 0
-    lanes_active: int = 0
     kv_slots: int = 0
     kv_slot_tokens: int = 0
     kv_tokens: int = 0
@@ -114,7 +113,6 @@ class Figures:
         figures.ticks = sums.get("superfluid_ticks_total", 0.0)
         figures.tick_in_flight = sums.get("superfluid_tick_in_flight", 0.0) > 0
         figures.lanes_total = int(sums.get("superfluid_lanes_total", 0))
-        figures.lanes_active = int(sums.get("superfluid_lanes_active", 0))
         figures.kv_slots = int(sums.get("superfluid_kv_slots", 0))
         figures.kv_slot_tokens = int(sums.get("superfluid_kv_slot_tokens", 0))
         figures.kv_tokens = int(sums.get("superfluid_kv_tokens", 0))

@@ -67,6 +67,7 @@ class Monitor(App[bool]):
     ]
     DEFAULT_CSS = """
     #figures { height: auto; }
+    #heading { height: auto; color: $text-muted; }
     .line { height: 1; }
     #lanes { height: auto; max-height: 12; }
     Sparkline { height: 1; width: 1fr; margin: 0 1; }
@@ -86,7 +87,7 @@ class Monitor(App[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="figures"):
-            yield Static(self.heading, id="heading", classes="line")
+            yield Static(self.heading, id="heading")
             yield Static("", id="tick", classes="line")
             yield Static("lanes", id="lanes-line", classes="line")
             yield DataTable(id="lanes", show_cursor=False, zebra_stripes=True)

@@ -69,7 +69,7 @@ class Top(App[None]):
 
     def __init__(self, addresses: list[str], api_key: str | None = None) -> None:
         super().__init__()
-        self.nodes = [Node(address) for address in addresses]
+        self.nodes = [Node(address) for address in dict.fromkeys(addresses)]  # each daemon once
         self.api_key = api_key
         self.total: deque[float] = deque(maxlen=HISTORY_SAMPLES)  # all daemons' decode tok/s
 

@@ -13,6 +13,7 @@ const ESTIMATE_PX = 56; // a row's height until it is measured
 const OVERSCAN = 6;
 const LAST_ACTIVITY_ROWS = 100; // sessions whose last event time is fetched
 const PIN_MS = 3600_000;
+const LATENCIES_KEPT = 1000;
 
 const $ = (id) => document.getElementById(id);
 
@@ -87,6 +88,10 @@ class Channel {
 
   call(request, delta) {
     return new Promise((resolve, reject) => {
+      if (this.ws.readyState !== WebSocket.OPEN) {
+        reject(new Error(`the ${this.name} socket is closed`));
+        return;
+      }
       this.pending.push({ resolve, reject, delta });
       this.ws.send(JSON.stringify(request));
     });
@@ -367,6 +372,7 @@ const ui = {
   painted: null, // ms from navigation to the selected session's first rows on screen
   pinned: 0,
   activity: new Map(), // session id -> {events, when}: its last event's time, for the list
+  selecting: 0, // counts selects, so that only the latest one finishes
 };
 
 function status(text, state = "ok") {
@@ -461,17 +467,20 @@ function drawTree() {
 // ---- the selected session ----
 
 async function select(id) {
+  const turn = ++ui.selecting; // a later click wins: an earlier select stops where it stands
   if (ui.sub !== null) {
     const sub = ui.sub;
     ui.sub = null;
     ui.control.subs.delete(sub);
     await call({ Unsubscribe: { sub } });
   }
+  if (turn !== ui.selecting) return;
   ui.selected = id;
   ui.summary = ui.sessions.find((s) => s.id === id) ?? null;
   const conversation = new Conversation();
   ui.conversation = conversation;
   const events = expect(await call({ Read: { session: id, cursor: 0 } }), "Events").events;
+  if (turn !== ui.selecting) return;
   for (const event of events) conversation.add(event);
   $("conversation").hidden = false;
   ui.painted = null;
@@ -481,6 +490,10 @@ async function select(id) {
   for (const node of document.querySelectorAll("#sessions li")) node.classList.toggle("selected", Number(node.dataset.id) === id);
   drawTree();
   const sub = expect(await call({ Subscribe: { session: id, cursor: conversation.next, provisional: true } }), "Subscribed").sub;
+  if (turn !== ui.selecting) {
+    await call({ Unsubscribe: { sub } }); // another session was chosen meanwhile
+    return;
+  }
   ui.sub = sub;
   ui.control.subs.set(sub, (variant, payload) => live(conversation, variant, payload));
   status(`session ${id}: ${events.length} events`);
@@ -493,7 +506,10 @@ function live(conversation, variant, payload) {
   if (variant === "SubEvent") {
     touched = conversation.add(payload.event);
     const [kind] = unpack(payload.event.body);
-    if (kind === "Generated") ui.latencies.push(Date.now() - payload.event.ts_unix_ms);
+    if (kind === "Generated") {
+      ui.latencies.push(Date.now() - payload.event.ts_unix_ms);
+      if (ui.latencies.length > LATENCIES_KEPT) ui.latencies.shift();
+    }
     firstToken(kind === "Generated");
   } else if (variant === "SubProvisional") {
     touched = [conversation.ahead(payload.channel, payload.text)];
