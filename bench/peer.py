@@ -67,18 +67,36 @@ class Server:
 
 
 class Superfluid(Server):
-    """`superfluid serve` with its HTTP API and socket, on state of its own."""
+    """`superfluid serve` with its HTTP API and socket, on state of its own.
+
+    With `http=False` it runs with `--no-http` (the session API only), and is ready once its
+    log prints the line it prints when every listener is up."""
 
     name = "superfluid"
+    READY = b"superfluid 0.1.0: serving"
 
-    def __init__(self, root: Path, window: int, lanes: int, *extra: str) -> None:
+    def __init__(self, root: Path, window: int, lanes: int, *extra: str, http: bool = True) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.socket = root / "sf.sock"
+        self.http = http
+        self._log_from = 0
         port = free_port()
+        listener = ["--http", f"127.0.0.1:{port}"] if http else ["--no-http"]
         args = [sys.executable, "-m", "superfluid", "serve", "--sessions", str(root / "sessions")]
-        args += ["--socket", str(self.socket), "--http", f"127.0.0.1:{port}", "--no-tui", "--log-filter", "warn"]
+        args += ["--socket", str(self.socket), *listener, "--no-tui", "--log-filter", "warn"]
         args += ["--max-context", str(window), "--max-batch", str(lanes), *extra]
         super().__init__(args, root / "serve.log", port)
+
+    def start(self) -> Superfluid:
+        # the log is appended to across starts: only this start's lines say it is ready
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
+        super().start()
+        return self
+
+    def ready(self) -> bool:
+        if self.http:
+            return super().ready()
+        return self.READY in self.log.read_bytes()[self._log_from :]
 
     def client(self) -> SocketClient:
         return SocketClient(self.socket)

@@ -3,9 +3,9 @@
     make bench                                  # builds the peers once (a few minutes), then runs all
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
-    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec or ui
+    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui or cluster
 
-Seven sections, one system driven at a time:
+Eight sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -25,7 +25,9 @@ Seven sections, one system driven at a time:
 - spec: speculative decoding (`--speculate prompt-lookup` and `auto`) against none, rewriting a
   module and chatting, at 1, 4 and 8 streams (bench/spec.py);
 - ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
-  soon a streamed reply's committed tokens reach the page (bench/ui.py).
+  soon a streamed reply's committed tokens reach the page (bench/ui.py);
+- cluster: the PostgreSQL store against SQLite (commit latency per tick, decode at 8 streams),
+  and failover to another daemon after a SIGKILL (bench/cluster.py).
 Performance claims in the README come from this script, not from tests.
 """
 
@@ -48,6 +50,7 @@ from pathlib import Path
 import llama_cpp as L
 import load
 import numpy as np
+from cluster import cluster_figures
 from peer import LlamaServer, Superfluid, batched_bench
 from spec import spec_figures
 from startup import startup_figures
@@ -732,7 +735,7 @@ def http_results(
     return results
 
 
-SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui")
+SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster")
 
 
 def report(results: list[Result]) -> None:
@@ -777,6 +780,9 @@ def main() -> int:
         print("ui: the browser UI in headless Chromium", flush=True)
         for name, value, limit, detail in ui_figures(root, args.quick):
             results.append(Result(name, value, f"<= {limit:g}", value <= limit, detail))
+    if "cluster" in sections:
+        print("cluster: the PostgreSQL store against SQLite, and failover", flush=True)
+        results += cluster_figures(root, args.threads, args.quick, Result)
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1

@@ -30,6 +30,9 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from pgcluster import PostgresCluster
+
 from superfluid.client import SocketClient
 from superfluid.metrics import read_metric
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Response
@@ -283,53 +286,11 @@ def browser() -> Iterator[Any]:
         browser.close()
 
 
-def _postgres_binaries() -> Path | None:
-    """The directory of PostgreSQL's server programs (Debian keeps them off PATH)."""
-    found = shutil.which("initdb")
-    if found:
-        return Path(found).resolve().parent
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    return versions[-1].parent if versions else None
-
-
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[str]:
-    """A PostgreSQL cluster of the tests' own, in a temporary directory, on a free port; its URL.
-
-    As root (CI), the cluster runs as the `postgres` user the Debian package creates, since
-    PostgreSQL refuses to run as root."""
-    import tempfile
-
-    binaries = _postgres_binaries()
-    assert binaries is not None, "PostgreSQL is needed: apt-get install postgresql (make test does it)"
-    home = Path(tempfile.mkdtemp(prefix="superfluid-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(home, "postgres", "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = home / "data", free_port()
-    subprocess.run(
-        [*as_user, str(binaries / "initdb"), "-D", str(data), "-U", "superfluid", "--auth=trust", "-E", "UTF8"],
-        check=True,
-        capture_output=True,
-    )
-    options = f"-p {port} -c listen_addresses=127.0.0.1 -k {home} -c max_connections=200"
-    ctl = [*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-l", str(home / "server.log")]
-    subprocess.run([*ctl, "-o", options, "-w", "start"], check=True, capture_output=True)
+def postgres() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster the tests share (`.database()` gives each its own database)."""
+    cluster = PostgresCluster()
     try:
-        yield f"postgresql://superfluid@127.0.0.1:{port}/postgres"
+        yield cluster
     finally:
-        subprocess.run([*ctl, "-m", "fast", "-w", "stop"], capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def fresh_database(postgres: str) -> str:
-    """A new, empty database in the test cluster; its URL."""
-    import uuid
-
-    import psycopg
-
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres, autocommit=True) as db:
-        db.execute(f"CREATE DATABASE {name}")
-    return postgres.rsplit("/", 1)[0] + f"/{name}"
+        cluster.remove()

@@ -54,6 +54,7 @@ VECTORS: list[tuple[Any, str]] = [
     (Request.AppendSystem(1, None, ["{}"]), "22 01 00 01 02 7b 7d"),
     (Response.Err("no"), "0d 02 6e 6f"),
     (Response.Throttled(9), "1a 09"),
+    (Response.Elsewhere(7, "h:1"), "1b 07 03 68 3a 31"),
     (Request.Create(None, GenParams(0.7, 0.95, 0.0, 0, 1)), "00 00 33 33 33 3f 33 33 73 3f 00 00 00 00 00 01"),
     (Request.Generate(300, 256), "03 ac 02 80 02"),
     (Request.Purge(1, 0, PurgeMode.Reroot()), "10 01 00 01"),
@@ -223,7 +224,8 @@ def test_round_trips(root: Any, data: st.DataObject) -> None:
 def test_every_variant_index_is_its_declaration_order() -> None:
     assert [v.__name__ for v in Request.variants][:4] == ["Create", "Append", "AppendMessage", "Generate"]
     assert len(Request.variants) == 35 and Request.variants[34].__name__ == "AppendSystem"
-    assert len(Response.variants) == 27 and Response.variants[26].__name__ == "Throttled"
+    assert len(Response.variants) == 28 and Response.variants[26].__name__ == "Throttled"
+    assert Response.variants[27].__name__ == "Elsewhere"
     assert len(EventBody.variants) == 25 and EventBody.variants[24].__name__ == "Pinned"
 
 

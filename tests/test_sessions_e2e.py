@@ -15,7 +15,6 @@ from conftest import (
     WebDaemon,
     end_turn,
     forced,
-    fresh_database,
     generate,
     generated_tokens,
     new_session,
@@ -47,7 +46,7 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 def store_flags(kind: str, request: pytest.FixtureRequest) -> tuple[str, ...]:
-    return () if kind == "sqlite" else ("--store", fresh_database(request.getfixturevalue("postgres")))
+    return () if kind == "sqlite" else ("--store", request.getfixturevalue("postgres").database())
 
 
 @pytest.fixture
@@ -414,6 +413,8 @@ def test_sigkill_mid_generation_loses_nothing_seen(tmp_path: Path, store: tuple[
             proc.kill()
         proc.start()
         with proc.client() as c:
+            # served again (on a shared store reading alone would not take the session back)
+            assert isinstance(c.call(Request.Inspect(session)), Response.Inspection)
             events = c.call(Request.Read(session, 0)).events
             by_id = {e.event_id: e for e in events}
             for event in seen:
@@ -466,6 +467,7 @@ def test_everything_survives_a_restart(tmp_path: Path, store: tuple[str, ...]) -
         with proc.client() as c:
             assert c.call(Request.Tree()).nodes == tree
             for s in (root, child):
+                c.call(Request.Inspect(s))  # served again: on a shared store, reading alone takes no session
                 events = c.call(Request.Read(s, 0)).events
                 assert events[: len(before[s])] == before[s] and kinds(events)[len(before[s]) :] == ["EpochBump"]
             inspection = c.call(Request.Inspect(root)).inspection

@@ -8,7 +8,6 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import fresh_database
 
 from superfluid.protocol.schema import EventBody, EventMsg, GenParams, PurgeMode
 from superfluid.protocol.wal import MAGIC, WalCorrupt, encode_record, read_log
@@ -46,8 +45,10 @@ def view(s: SessionState) -> tuple:
 
 
 def snapshot(store: SessionStore) -> dict:
-    """Every session of the store, each loaded (and fenced) as a daemon would."""
-    return {s.id: view(s) for s in [*store.live(), *(s for s in store.table.sessions.values() if s.purged)]}
+    """Every session of the store, each loaded (and fenced) as a daemon serving it would."""
+    for session_id in store.log.sessions():
+        store.get(session_id)
+    return {sid: view(s) for sid, s in store.table.sessions.items()}
 
 
 class Stores:
@@ -57,7 +58,8 @@ class Stores:
         self.directory, self.url = directory, url
 
     def log(self) -> SessionLog:
-        return PostgresLog(self.url) if self.url else SqliteLog(self.directory)
+        # one address for every opening: each is this test's daemon started again, taking its sessions back
+        return PostgresLog(self.url, "http://127.0.0.1:1") if self.url else SqliteLog(self.directory)
 
     def open(self) -> SessionStore:
         return SessionStore(self.directory, self.log())
@@ -65,7 +67,7 @@ class Stores:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
-    url = fresh_database(request.getfixturevalue("postgres")) if request.param == "postgresql" else None
+    url = request.getfixturevalue("postgres").database() if request.param == "postgresql" else None
     return Stores(tmp_path, url)
 
 

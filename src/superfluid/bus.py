@@ -118,6 +118,10 @@ class Bus:
             subs[:] = [s for s in subs if not s.ended]  # lagged ones drop out here
             return list(subs)
 
+    def watched(self, session: int) -> bool:
+        """Whether any subscriber follows the session."""
+        return bool(self._each(session))
+
     def publish(self, session: int, events: list[EventMsg]) -> None:
         for sub in self._each(session):
             for event in events:

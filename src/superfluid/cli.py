@@ -147,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         try:
             if args.web:
-                parse_web_address(args.web)
+                parse_web_address(args.web, anywhere=args.store is not None)
             split_address(http_address(args))
+            if not 0 < args.lease_renew < args.lease_expiry:
+                raise ValueError(
+                    f"--lease-renew {args.lease_renew:g} must be above 0 and below --lease-expiry {args.lease_expiry:g}"
+                )
             # read once, and refused now, before any model loads
             keys = load_policy(args.key_policy, args.api_key) if args.key_policy is not None else []
         except ValueError as e:

@@ -97,6 +97,9 @@ class ServeConfig:
     log_dir: Path | None = None
     tui: bool = False  # the terminal monitor (--tui; on by default when stdout is a terminal)
     store: str | None = None  # a PostgreSQL URL for the session log; None: SQLite under `sessions`
+    advertise: str | None = None  # where clients reach this daemon's --web, told to those sent elsewhere
+    lease_renew: float = 2.0  # seconds between renewals of the session leases (with --store)
+    lease_expiry: float = 10.0  # seconds a lease lasts unrenewed
     speculate: str = "off"  # off, auto or prompt-lookup
     spec_draft_tokens: int = 4
     spec_adaptive: bool = True

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .bus import END_PURGED, Bus, Subscription
+from .cluster import RemoteCommits
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
 from .engine.llama import LlamaModel
 from .engine.shaping import Shaping
@@ -63,7 +64,9 @@ from .protocol.schema import (
 )
 from .runtime import Models, Runtime
 from .scheduler.scheduler import Job, Scheduler
+from .store.leases import LeaseLost, SessionElsewhere
 from .store.media import MediaStore
+from .store.postgres import StoreUnavailable
 from .store.sessions import SessionStore, now_ms
 from .store.state import SessionState, ToolCallState
 
@@ -83,6 +86,17 @@ STREAMED = (B.Generated, B.ToolUse, B.ToolResult, B.ToolParseFailure)
 
 class DaemonError(Exception):
     """A refused request; the text is what the client reads in `Err`."""
+
+
+# what refuses a request without anything written, as the client is told of it
+REFUSED = (DaemonError, SessionElsewhere, LeaseLost, StoreUnavailable)
+
+
+def refusal(e: Exception) -> Response:
+    """The reply that tells a client its request was refused, from one of REFUSED."""
+    if isinstance(e, SessionElsewhere):
+        return Response.Elsewhere(e.session, e.address)
+    return Response.Err(str(e))
 
 
 class ContextTooLong(DaemonError):
@@ -177,6 +191,9 @@ class Daemon:
         self.media = MediaStore(store.directory / "media")
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
+        self.remote = RemoteCommits(store, self.bus)
+        if store.leases is not None:
+            store.leases.on_lost = store.forget  # their runs end when their next commit is refused
         models.on_load = self._attach
         self._purging: set[int] = set()
         self._completions: OrderedDict[tuple[str, str, int, int], tuple[str, list[int]]] = OrderedDict()
@@ -270,8 +287,8 @@ class Daemon:
             if handler is None:
                 raise DaemonError(f"{name} is not served by this version of superfluid")
             return handler(request)
-        except DaemonError as e:
-            return Response.Err(str(e))
+        except REFUSED as e:
+            return refusal(e)
         except (sqlite3.Error, OSError) as e:  # the disk refused: nothing was committed
             log.exception("%s failed to reach the disk", name)
             return Response.Err(f"io: {e}")
@@ -279,8 +296,9 @@ class Daemon:
             self.metrics.requests.labels(verb=name).inc()
             self.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    def _session(self, session_id: int) -> SessionState:
-        state = self.store.get(session_id)
+    def _session(self, session_id: int, *, to_read: bool = False) -> SessionState:
+        """A live session, served here from now on; `to_read`: wherever it is served (no lease taken)."""
+        state = self.store.view(session_id) if to_read else self.store.get(session_id)
         if state is None:
             raise DaemonError(f"unknown session {session_id}")
         if state.purged:
@@ -437,7 +455,7 @@ class Daemon:
 
     def _read(self, req: R.Read) -> Response:
         with self.store.lock:
-            state = self._session(req.session)
+            state = self._session(req.session, to_read=True)
             return Response.Events(state.events[req.cursor :])
 
     def _list(self, req: R.List) -> Response:
@@ -831,8 +849,10 @@ class Daemon:
     def subscribe(self, session: int, cursor: int, provisional: bool) -> Subscription:
         """Attach a subscriber: the backlog from `cursor`, then live events, deduplicated by id."""
         with self.store.lock:
-            state = self._session(session)
-            return self.bus.subscribe(session, cursor, provisional, lambda c: state.events[c:])
+            state = self._session(session, to_read=True)
+            sub = self.bus.subscribe(session, cursor, provisional, lambda c: state.events[c:])
+        self.remote.watch(session, max(cursor, state.next_id))
+        return sub
 
     # ---- media ----
 

@@ -38,6 +38,7 @@ from .protocol.schema import (
     GenParams,
 )
 from .scheduler.scheduler import Job, Scheduler
+from .store.leases import LeaseLost
 from .store.sessions import SessionStore
 
 log = logging.getLogger("superfluid.generation")
@@ -112,6 +113,7 @@ class GenerationRun:
         self.delivered: list[EventMsg] = []
         self.finish: int | None = None
         self.error: str | None = None
+        self.failure: str | None = None  # why a commit of its records was refused: it ends with finish 5
         self._pending: list[Piece] = []
         self._held: Provisional | None = None  # text for the listener, gathered between two hand-overs
         self._handed_at = 0.0
@@ -173,8 +175,7 @@ class GenerationRun:
             self._handed_at = time.monotonic()
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
-        self.finish = finish
-        self.error = error
+        self.finish, self.error = (FINISH_ERROR, self.failure) if self.failure is not None else (finish, error)
 
     def drain(self) -> list[EventBody]:
         """The records of the tokens since the last drain: one `Generated` per channel run,
@@ -237,6 +238,10 @@ def _tool_record(call_text: str) -> EventBody:
     return B.ToolUse(parsed.name, parsed.arguments)
 
 
+# a run's records of one tick, and whether they are its last
+TickWrites = tuple[GenerationRun, list[EventBody], bool]
+
+
 class Generations:
     """Every run in flight, and the committer thread that makes their output durable."""
 
@@ -246,7 +251,7 @@ class Generations:
         self._release = release
         self._runs: list[GenerationRun] = []
         self._runs_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[list[tuple[GenerationRun, list[EventBody], bool]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[TickWrites] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._commit_loop, name="superfluid-committer", daemon=True)
         self._thread.start()
 
@@ -277,18 +282,9 @@ class Generations:
             batch = self._queue.get()
             if batch is None:
                 return
-            writes = [(run.session, body) for run, bodies, _ in batch for body in bodies]
             started = time.perf_counter()
-            try:
-                events = self.store.commit(writes)
-            except Exception as e:  # the disk refused: nothing of this tick is durable
-                log.exception("committing a tick failed")
-                for run, _, final in batch:
-                    run.job.cancelled = True
-                    if final:
-                        run.finish, run.error = FINISH_ERROR, f"io: {e}"
-                        self._release(run)
-                        run.conclude()
+            batch, events = self._commit(batch)
+            if not batch:
                 continue
             self.metrics.commit_seconds.observe(time.perf_counter() - started)
             offset = 0
@@ -301,6 +297,31 @@ class Generations:
                 if final:
                     self._release(run)
                     run.conclude()
+
+    def _commit(self, batch: list[TickWrites]) -> tuple[list[TickWrites], list[EventMsg]]:
+        """Commit a tick's records in one transaction: the runs whose writes were committed, and the
+        events. The runs of sessions whose lease this daemon lost fail alone; the others commit
+        without them. When the store refuses the whole tick, nothing of it is durable."""
+        while batch:
+            try:
+                return batch, self.store.commit([(run.session, body) for run, bodies, _ in batch for body in bodies])
+            except LeaseLost as e:
+                self._fail([item for item in batch if item[0].session in e.sessions], str(e))
+                batch = [item for item in batch if item[0].session not in e.sessions]
+            except Exception as e:  # the disk or the database refused
+                log.exception("committing a tick failed")
+                self._fail(batch, f"io: {e}")
+                return [], []
+        return [], []
+
+    def _fail(self, batch: list[TickWrites], why: str) -> None:
+        for run, _, final in batch:
+            run.failure = why
+            run.job.cancelled = True
+            if final:
+                run.finish, run.error = FINISH_ERROR, why
+                self._release(run)
+                run.conclude()
 
     def stop(self) -> None:
         self._queue.put(None)

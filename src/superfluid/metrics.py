@@ -116,6 +116,15 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "superfluid_generations_running", "Generations in flight", value=len(self.daemon.running)
         )
+        leases = self.daemon.store.leases
+        if leases is not None:  # daemons sharing a PostgreSQL store
+            yield GaugeMetricFamily("superfluid_leases_held", "Sessions leased to this daemon", value=len(leases.held))
+            yield CounterMetricFamily(
+                "superfluid_lease_takeovers", "Sessions taken over from a daemon whose lease ran out", leases.takeovers
+            )
+            yield CounterMetricFamily(
+                "superfluid_leases_lost", "Sessions whose lease this daemon lost to another", leases.lost
+            )
 
     @staticmethod
     def _lanes(runtimes: list[Any]) -> Iterator[GaugeMetricFamily]:

@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -18,7 +19,8 @@ from .daemon import Daemon
 from .logsetup import LogPane
 from .metrics import Metrics
 from .runtime import Models
-from .store.postgres import open_log
+from .store.leases import LeaseTiming
+from .store.postgres import PostgresLog, open_log, redacted
 from .store.sessions import SessionStore
 from .transports.socket import SocketServer
 
@@ -53,7 +55,11 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     models = Models(config)
     for ref in config.models or [None]:
         models.add(ref)
-    store = SessionStore(config.sessions, open_log(config.store) if config.store else None)
+    timing = LeaseTiming(config.lease_renew, config.lease_expiry)
+    # who holds a lease, until --web says where clients reach it: this machine's socket, which a
+    # restart of this daemon shares, so that it takes its own sessions back at once
+    address = config.advertise or f"unix:{socket.gethostname()}:{config.socket}"
+    store = SessionStore(config.sessions, open_log(config.store, address, timing) if config.store else None)
     daemon = Daemon(store, models, metrics=Metrics())
     try:
         for model_id in list(models.known):  # every model named at start is loaded at start
@@ -69,13 +75,18 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
 
     default = daemon.runtime
     known = daemon.start()
+    web_server = None
+    if config.web:  # before the socket: a session leased from here on names this daemon's address
+        token_path = config.sessions / "web-token"
+        shared = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
+        web_server = WebServer(
+            daemon, config.web, mint_token(token_path, shared), config.web_origins, shared is not None
+        )
+        url = await web_server.start()
+        if store.leases is not None and not config.advertise:
+            store.leases.address = url
     socket_server = SocketServer(daemon, config.socket)
     await socket_server.start()
-    web_server = None
-    if config.web:
-        token_path = config.sessions / "web-token"
-        web_server = WebServer(daemon, config.web, mint_token(token_path), config.web_origins)
-        url = await web_server.start()
     api_server = None
     if not config.no_http:
         policy = HttpPolicy(
@@ -98,6 +109,12 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     ]
     if web_server is not None:
         lines.append(f"web: {web_server.page_url(url)} (the token is also in {token_path})")
+    if store.leases is not None:
+        lines.append(
+            f"store: {redacted(config.store or '')}, shared with other daemons; the sessions this one serves are "
+            f"leased to it as {store.leases.address}, renewed every "
+            f"{config.lease_renew:g} s, expiring {config.lease_expiry:g} s after"
+        )
     if api_server is not None:
         lines.append(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)")
     print("\n".join(lines), flush=True)

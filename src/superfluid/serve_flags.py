@@ -232,6 +232,27 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "so that several daemons share it (default: SQLite)",
     )
     server.add_argument(
+        "--advertise",
+        default=None,
+        metavar="URL",
+        help="with --store: the address clients reach this daemon's --web at, told to a client that asks "
+        "another daemon for a session this one serves (default: the --web address)",
+    )
+    server.add_argument(
+        "--lease-renew",
+        type=_seconds,
+        default=2.0,
+        metavar="SEC",
+        help="with --store: how often this daemon renews the leases of the sessions it serves (default: 2)",
+    )
+    server.add_argument(
+        "--lease-expiry",
+        type=_seconds,
+        default=10.0,
+        metavar="SEC",
+        help="with --store: how long a lease lasts unrenewed before another daemon may take its sessions (default: 10)",
+    )
+    server.add_argument(
         "--socket",
         type=Path,
         default=None,
@@ -561,6 +582,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         log_dir=args.log_dir,
         tui=sys.stdout.isatty() if args.tui is None else args.tui,
         store=args.store,
+        advertise=args.advertise,
+        lease_renew=args.lease_renew,
+        lease_expiry=args.lease_expiry,
         speculate=args.speculate,
         spec_draft_tokens=args.spec_draft_tokens,
         spec_adaptive=args.spec_adaptive,

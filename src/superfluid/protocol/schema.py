@@ -703,3 +703,9 @@ class Response(Enum):
         """Too many Complete requests: retry after this many milliseconds."""
 
         retry_after_ms: U64
+
+    class Elsewhere(Struct):
+        """Another daemon sharing the store serves the session: send its requests to `address`."""
+
+        session: U64
+        address: str

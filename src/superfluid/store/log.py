@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..protocol.schema import EventBody, EventMsg
+from .leases import Leases
 
 B = EventBody
 # the records that move `lineage`, as their bodies' JSON begins
@@ -38,6 +39,7 @@ class SessionLog(Protocol):
     """Append-only event log of all sessions: an append is durable when it returns."""
 
     store_id: bytes
+    leases: Leases | None  # None: this daemon is the log's only writer
 
     def empty(self) -> bool: ...
 
@@ -47,6 +49,10 @@ class SessionLog(Protocol):
 
     def records_of(self, session: int, before: int | None = None) -> list[tuple[int, Record]]:
         """One session's records with their sequence numbers; only those before `before` if given."""
+        ...
+
+    def events_from(self, session: int, event_id: int) -> list[EventMsg]:
+        """One session's events from `event_id` on."""
         ...
 
     def reserve_session(self) -> int:

@@ -8,25 +8,40 @@ out session ids to every daemon alike. Connections come from a pool; each runs w
 publishes events only after that. The schema is created, and later migrated, by the first
 daemon that opens the store, under an advisory lock so that daemons starting together do
 not race. Bodies are stored as the JSON form of `EventBody`, as in SQLite.
+
+Sessions are leased to one daemon at a time (leases.py): every append checks the leases in
+its transaction, and announces its sessions on the `superfluid_commits` channel, which each
+daemon LISTENs to so that a subscriber on one daemon sees another's commits. A connection the
+server dropped (a restart, a failover) is retried for a few seconds before the caller gets
+`StoreUnavailable`; an append whose commit was cut off is looked up before it is retried.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from ..protocol import jsoncodec
 from ..protocol.schema import EventBody, EventMsg
+from .leases import LEASES_SCHEMA, Leases, LeaseTiming
 from .log import LINEAGE_KINDS, Parent, Pin, Record, Rerooted, lineage_changes
 
 logger = logging.getLogger("superfluid.store")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: leases
 SCHEMA_LOCK = 0x53465F4C4F47  # pg_advisory_xact_lock key: "SF_LOG"
 POOL_SIZE = 4
+CHANNEL = "superfluid_commits"
+RETRY_S = 8.0  # how long a dropped connection is retried before the caller hears of it
+CONNECT_S = 2.0  # a wait for a pooled connection, retried within RETRY_S
+T = TypeVar("T")
+STARTS = (EventBody.Created, EventBody.Forked, EventBody.Rebased)  # a record that starts a session
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS events (
     seq        BIGSERIAL PRIMARY KEY,
     session    BIGINT NOT NULL,
@@ -48,6 +63,8 @@ CREATE TABLE IF NOT EXISTS lineage (
 CREATE INDEX IF NOT EXISTS lineage_parent ON lineage (parent);
 CREATE SEQUENCE IF NOT EXISTS session_ids;
 """
+    + LEASES_SCHEMA
+)
 _LINEAGE_SQL = {
     Parent: "INSERT INTO lineage (session, parent) VALUES (%(session)s, %(parent)s) "
     "ON CONFLICT (session) DO UPDATE SET parent = EXCLUDED.parent",
@@ -57,18 +74,31 @@ _LINEAGE_SQL = {
 _SELECT = "SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events"
 
 
+class StoreUnavailable(RuntimeError):
+    """The PostgreSQL store did not answer in time; nothing was written."""
+
+
 class PostgresLog:
     """Append-only event log of all sessions in one PostgreSQL database (a `SessionLog`)."""
 
-    def __init__(self, url: str) -> None:
-        from psycopg_pool import ConnectionPool  # only a daemon with --store postgresql:// needs it
+    def __init__(self, url: str, address: str = "", timing: LeaseTiming | None = None) -> None:
+        """The log at `url`; `address` is where clients reach this daemon, told to those asking it
+        for a session another daemon serves."""
+        import psycopg  # only a daemon with --store postgresql:// needs it
+        from psycopg_pool import ConnectionPool
 
+        self._dropped = psycopg.OperationalError  # PoolTimeout too
         self.url = url
+        timing = timing or LeaseTiming()
+        # A transaction left open by a daemon that froze (SIGSTOP, a VM paused) would hold its lease
+        # rows' locks and stall whoever takes them over: the server ends it when the lease would run out.
+        options = f"-c synchronous_commit=on -c idle_in_transaction_session_timeout={int(timing.expiry_s * 1000)}"
         self._pool = ConnectionPool(
             url,
             min_size=1,
             max_size=POOL_SIZE,
-            kwargs={"autocommit": True, "options": "-c synchronous_commit=on"},
+            kwargs={"autocommit": True, "options": options},
+            timeout=CONNECT_S,
             open=False,
             name="superfluid-store",
         )
@@ -77,6 +107,12 @@ class PostgresLog:
         except Exception as e:
             raise RuntimeError(f"the PostgreSQL store at {redacted(url)} did not answer: {e}") from None
         self.store_id = self._migrate()
+        self.leases = Leases(self.run, address, timing)
+        self.leases.start()
+        self._listening = threading.Event()
+        self._closing = threading.Event()
+        threading.Thread(target=self._listen, name="superfluid-store-listen", daemon=True).start()
+        self._listening.wait(10)
 
     def _migrate(self) -> bytes:
         """Create the schema (or check it), once among daemons opening the store together."""
@@ -97,9 +133,42 @@ class PostgresLog:
             db.execute("INSERT INTO store (key, value) VALUES ('id', %s) ON CONFLICT DO NOTHING", (os.urandom(16),))
             return bytes(db.execute("SELECT value FROM store WHERE key = 'id'").fetchone()[0])
 
+    def run(self, work: Callable[[Any], T], landed: Callable[[Any], bool] | None = None) -> T:
+        """`work(db)` on a pooled connection, again while the server drops connections (restarting,
+        failing over) for up to RETRY_S, then StoreUnavailable. For a write, `landed(db)` tells
+        whether an attempt cut off at its commit went through after all (it is not written twice)."""
+        deadline = time.monotonic() + RETRY_S
+        cut_off = False
+        while True:
+            try:
+                with self._pool.connection() as db:
+                    if cut_off and landed is not None and landed(db):
+                        return None  # type: ignore[return-value]  # a write returns nothing
+                    return work(db)
+            except self._dropped as e:
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store at {redacted(self.url)} is unreachable: {e}"
+                    ) from None
+                if not cut_off:
+                    logger.warning("the PostgreSQL store dropped a connection (%s): retrying", str(e).strip())
+                cut_off = True
+                time.sleep(0.25)
+
+    def shared_token(self) -> str:
+        """The web token of every daemon on this store, made by the first that asks."""
+
+        def work(db: Any) -> str:
+            db.execute(
+                "INSERT INTO store (key, value) VALUES ('web-token', %s) ON CONFLICT DO NOTHING",
+                (os.urandom(32).hex().encode(),),
+            )
+            return bytes(db.execute("SELECT value FROM store WHERE key = 'web-token'").fetchone()[0]).decode()
+
+        return self.run(work)
+
     def _rows(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._pool.connection() as db:
-            return db.execute(query, params).fetchall()
+        return self.run(lambda db: db.execute(query, params).fetchall())
 
     def empty(self) -> bool:
         return not self._rows("SELECT 1 FROM events LIMIT 1")
@@ -113,6 +182,10 @@ class PostgresLog:
             return _sequenced(self._rows(f"{_SELECT} WHERE session = %s ORDER BY event_id", (session,)))
         query = f"{_SELECT} WHERE session = %s AND seq < %s ORDER BY event_id"
         return _sequenced(self._rows(query, (session, before)))
+
+    def events_from(self, session: int, event_id: int) -> list[EventMsg]:
+        query = f"{_SELECT} WHERE session = %s AND event_id >= %s ORDER BY event_id"
+        return [record.event for _, record in _sequenced(self._rows(query, (session, event_id)))]
 
     def reserve_session(self) -> int:
         (session,) = self._rows("SELECT nextval('session_ids')")[0]
@@ -137,10 +210,14 @@ class PostgresLog:
     def rebuild_lineage(self) -> None:
         like = " OR ".join("body LIKE %s" for _ in LINEAGE_KINDS)
         rows = self._rows(f"{_SELECT} WHERE {like} ORDER BY seq", [f'{{"{kind}":%' for kind in LINEAGE_KINDS])
-        with self._pool.connection() as db, db.transaction():
-            db.execute("DELETE FROM lineage")
-            for _, record in _sequenced(rows):
-                _move_lineage(db, record)
+
+        def write(db: Any) -> None:
+            with db.transaction():
+                db.execute("DELETE FROM lineage")
+                for _, record in _sequenced(rows):
+                    _move_lineage(db, record)
+
+        self.run(write)
 
     def append(self, records: Sequence[Record]) -> None:
         if not records:
@@ -149,22 +226,73 @@ class PostgresLog:
             (r.session, r.event.event_id, r.event.epoch, r.event.ts_unix_ms, jsoncodec.dumps(r.event.body, EventBody))
             for r in records
         ]
-        with self._pool.connection() as db, db.transaction():
-            with db.cursor() as cursor:
-                cursor.executemany(
-                    "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (%s, %s, %s, %s, %s)",
-                    rows,
-                )
-            for record in records:
-                _move_lineage(db, record)
-            # ids that came from elsewhere (a reference log imported) are never handed out again
-            if any(isinstance(r.event.body, EventBody.Created) for r in records):
-                top = max(r.session for r in records)
-                db.execute(
-                    "SELECT setval('session_ids', %s) WHERE %s > (SELECT last_value FROM session_ids)", (top, top)
-                )
+        sessions = {r.session for r in records}
+        started = {r.session for r in records if isinstance(r.event.body, STARTS)}
+        # a fork changes its parent's children too
+        announced = sessions | {r.event.body.parent for r in records if isinstance(r.event.body, STARTS[1:])}
+
+        def write(db: Any) -> None:
+            with db.transaction():
+                self.leases.check(db, sessions, started)
+                with db.cursor() as cursor:
+                    cursor.executemany(
+                        "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (%s, %s, %s, %s, %s)",
+                        rows,
+                    )
+                for record in records:
+                    _move_lineage(db, record)
+                # ids that came from elsewhere (a reference log imported) are never handed out again
+                if any(isinstance(r.event.body, EventBody.Created) for r in records):
+                    top = max(r.session for r in records)
+                    db.execute(
+                        "SELECT setval('session_ids', %s) WHERE %s > (SELECT last_value FROM session_ids)", (top, top)
+                    )
+                # one announcement per session, delivered to the listeners when the transaction commits
+                payloads = [f"{self.leases.owner} {session}" for session in sorted(announced)]
+                db.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p", (CHANNEL, payloads))
+
+        def landed(db: Any) -> bool:
+            first = rows[0]
+            found = db.execute(
+                "SELECT epoch, body FROM events WHERE session = %s AND event_id = %s", (first[0], first[1])
+            ).fetchone()
+            return found is not None and (int(found[0]), found[1]) == (first[2], first[4])
+
+        self.run(write, landed)
+        self.leases.committed(started)
+
+    def _listen(self) -> None:
+        """Hear the other daemons' commits (LISTEN), reconnecting while the server is away."""
+        import psycopg
+
+        cut_off = False
+        while not self._closing.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True) as db:
+                    db.execute(f"LISTEN {CHANNEL}")
+                    if self._listening.is_set():
+                        logger.info("hearing the store's commit announcements again")
+                        self.leases.on_missed()  # commits made while no one listened
+                    self._listening.set()
+                    cut_off = False
+                    while not self._closing.is_set():
+                        for note in db.notifies(timeout=0.5):
+                            owner, _, session = note.payload.partition(" ")
+                            if owner != self.leases.owner:
+                                self.leases.on_commit(int(session))
+            except psycopg.Error as e:
+                if not self._closing.is_set():
+                    if not cut_off:
+                        logger.warning("lost the store's commit announcements (%s): reconnecting", str(e).strip())
+                    cut_off = True
+                    self._closing.wait(0.5)
 
     def close(self) -> None:
+        self._closing.set()
+        try:
+            self.leases.release()
+        except Exception as e:  # the store is away: the leases run out by themselves
+            logger.warning("could not release the session leases: %s", e)
         self._pool.close()
 
 
@@ -180,9 +308,9 @@ def _move_lineage(db: Any, record: Record) -> None:
         db.execute(_LINEAGE_SQL[type(change)], vars(change))
 
 
-def open_log(url: str) -> PostgresLog:
+def open_log(url: str, address: str = "", timing: LeaseTiming | None = None) -> PostgresLog:
     """The PostgreSQL log at `url`, as `serve --store` names it."""
-    log = PostgresLog(url)
+    log = PostgresLog(url, address, timing)
     logger.info("the session log is in PostgreSQL at %s", redacted(url))
     return log
 

@@ -7,6 +7,12 @@ fenced at once: a session of an earlier run gets its `EpochBump` when this run l
 `commit` stamps records with their ids, epoch and time, writes them in one fsynced
 transaction, then applies them to the in-memory table: a record is in memory (and so
 visible to anyone) only once it is on disk.
+
+On a log shared by several daemons (`log.leases` set), a session is replayed and kept only
+once this daemon holds its lease (SessionElsewhere names the daemon that does); what only
+reads (listings, `view` for Read and Subscribe) replays the others without keeping them.
+A session whose lease is lost, or whose commit was cut off, is forgotten, to be replayed
+from the log when next used.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 
 from ..protocol.schema import EventBody, EventMsg
 from ..protocol.wal import read_log
+from .leases import LeaseLost, Leases, SessionElsewhere
 from .log import Record, SessionLog
 from .sqlite import SqliteLog
 from .state import SessionState, SessionTable
@@ -42,6 +49,7 @@ class SessionStore:
         self.directory = directory
         self.log = log if log is not None else SqliteLog(directory)
         self.table = SessionTable()
+        self.views: dict[int, SessionState] = {}  # on a shared log: sessions read, not served here
         self.lock = threading.RLock()
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
@@ -65,7 +73,12 @@ class SessionStore:
     def store_id(self) -> bytes:
         return self.log.store_id
 
+    @property
+    def leases(self) -> Leases | None:
+        return self.log.leases
+
     def get(self, session_id: int) -> SessionState | None:
+        """The session, served by this daemon from now on (SessionElsewhere when another serves it)."""
         state = self.table.sessions.get(session_id)
         if state is None and session_id > 0:
             with self.lock:
@@ -73,15 +86,60 @@ class SessionStore:
                 state = self.table.sessions.get(session_id)
         return state
 
-    def live(self) -> list[SessionState]:
-        """Sessions not purged, in id order (every session of the log is loaded for it)."""
+    def view(self, session_id: int) -> SessionState | None:
+        """The session as the log has it, to read: this daemon's copy when it serves the session,
+        else a replay that is not kept (and takes no lease)."""
+        if self.leases is None:
+            return self.get(session_id)
         with self.lock:
+            state = self.table.sessions.get(session_id)
+            return state if state is not None else self._viewed([session_id]).get(session_id)
+
+    def _viewed(self, session_ids: Sequence[int]) -> dict[int, SessionState]:
+        """Sessions to read: those served here as they are, the others from `views`, replayed when
+        missing (the store's announcements drop a view when another daemon commits to its session)."""
+        found = {}
+        for session_id in session_ids:
+            state = self.table.sessions.get(session_id) or self.views.get(session_id)
+            if state is None:
+                state = self._replay(session_id)
+                if state is not None:
+                    state.children = self.log.children_of(session_id)
+                    self.views[session_id] = state
+            if state is not None:
+                found[session_id] = state
+        return found
+
+    def stale(self, session_id: int | None = None) -> None:
+        """Another daemon committed to the session (None: maybe to any): its view is read again."""
+        with self.lock:
+            if session_id is None:
+                self.views.clear()
+            else:
+                self.views.pop(session_id, None)
+
+    def live(self) -> list[SessionState]:
+        """Sessions not purged, in id order (every session of the log is loaded for it, or on a shared
+        log replayed to read)."""
+        with self.lock:
+            if self.leases is not None:
+                return [s for _, s in sorted(self._viewed(self.log.sessions()).items()) if not s.purged]
             self._load(self.log.sessions())
             return [s for _, s in sorted(self.table.sessions.items()) if not s.purged]
 
     def pinned(self) -> list[SessionState]:
-        """Live sessions whose pin has not run out."""
-        return [s for s in map(self.get, self.log.pinned(now_ms())) if s is not None and not s.purged]
+        """Live sessions whose pin has not run out (on a shared log, read without taking them: any
+        daemon may serve them next)."""
+        read = self.get if self.leases is None else self.view
+        return [s for s in map(read, self.log.pinned(now_ms())) if s is not None and not s.purged]
+
+    def forget(self, session_ids: Sequence[int]) -> None:
+        """Drop sessions from memory (their lease lost, or a commit cut off): replayed when next used."""
+        with self.lock:
+            for session_id in session_ids:
+                self.table.sessions.pop(session_id, None)
+            if self.leases is not None:
+                self.leases.forget(session_ids)
 
     def count(self) -> int:
         """Sessions in the log, purged ones included."""
@@ -92,6 +150,9 @@ class SessionStore:
         loaded = []
         for session_id in session_ids:
             if session_id not in self.table.sessions:
+                if self.leases is not None:
+                    self.leases.take(session_id)  # before the replay: nobody else writes to it after
+                    self.views.pop(session_id, None)
                 state = self._replay(session_id)
                 if state is not None:
                     state.children = self.log.children_of(session_id)
@@ -121,6 +182,14 @@ class SessionStore:
             scratch.apply(session_id, record.event)
         return scratch.sessions[session_id]
 
+    def _served(self, session_id: int) -> SessionState | None:
+        """A session written to that is not in memory: loaded, or LeaseLost when another daemon took it
+        (a write of a session this daemon forgot when it lost the lease)."""
+        try:
+            return self.get(session_id)
+        except SessionElsewhere:
+            raise LeaseLost([session_id]) from None
+
     def reserve_id(self) -> int:
         """A fresh session id for a record that starts a session (Created, Forked, Rebased)."""
         return self.log.reserve_session()
@@ -136,10 +205,11 @@ class SessionStore:
                     event_id, epoch = 0, 1
                 elif isinstance(body, (B.Forked, B.Rebased)):
                     event_id, epoch = body.fork_at, 1
+                    self.get(body.parent)  # a fork begins from its parent's state, served here
                 elif session_id in pending:
                     event_id, epoch = pending[session_id]
                 else:
-                    state = self.table.sessions.get(session_id) or self.get(session_id)
+                    state = self.table.sessions.get(session_id) or self._served(session_id)
                     if state is None:
                         raise KeyError(f"session {session_id} is not in the log")
                     event_id, epoch = state.next_id, state.epoch
@@ -147,7 +217,15 @@ class SessionStore:
                     epoch += 1  # the run that writes it starts a new epoch of the session
                 pending[session_id] = (event_id + 1, epoch)
                 records.append(Record(session_id, EventMsg(event_id, epoch, ts, body)))
-            self.log.append(records)
+            try:
+                self.log.append(records)
+            except LeaseLost as e:
+                self.forget(e.sessions)
+                raise
+            except Exception:
+                if self.leases is not None:  # the commit may have landed: what is in memory may be behind
+                    self.forget(sorted(pending))
+                raise
             for record in records:
                 self.table.apply(record.session, record.event)
             return [r.event for r in records]

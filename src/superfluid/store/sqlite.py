@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..protocol import jsoncodec
 from ..protocol.schema import EventBody, EventMsg
+from .leases import Leases
 from .log import LINEAGE_KINDS, Parent, Pin, Record, Rerooted, StoreLocked, lineage_changes
 
 SCHEMA_VERSION = 2  # 2 added `lineage`
@@ -55,6 +56,8 @@ CREATE INDEX IF NOT EXISTS lineage_parent ON lineage (parent);
 
 class SqliteLog:
     """Append-only, fsynced event log of all sessions under one directory (a `SessionLog`)."""
+
+    leases: Leases | None = None  # one daemon holds the directory's lock: every session is its own
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,10 @@ class SqliteLog:
         if before is None:
             return list(self._sequenced(query + " ORDER BY event_id", session))
         return list(self._sequenced(query + " AND seq < ? ORDER BY event_id", session, before))
+
+    def events_from(self, session: int, event_id: int) -> list[EventMsg]:
+        query = "SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events WHERE session = ? AND event_id >= ?"
+        return [record.event for record in self._records(query + " ORDER BY event_id", session, event_id)]
 
     def _records(self, query: str, *params: object) -> Iterator[Record]:
         for _, record in self._sequenced(query, *params):

@@ -13,12 +13,16 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def parse_web_address(address: str) -> tuple[str, int]:
-    """`127.0.0.1:PORT`, `[::1]:PORT` or `localhost:PORT`; anything else is refused."""
+def parse_web_address(address: str, anywhere: bool = False) -> tuple[str, int]:
+    """`127.0.0.1:PORT`, `[::1]:PORT` or `localhost:PORT`; anything else is refused, unless `anywhere`
+    (daemons sharing a store, whose clients follow sessions from one to another)."""
+    if anywhere:
+        return split_address(address)
     host, sep, port = address.rpartition(":")
     if not sep or host not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
         raise ValueError(
             f"--web {address!r} is refused: the browser transport listens on loopback only; "
-            "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"
+            "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT (any address is taken with --store, where "
+            "daemons on several machines serve one store)"
         )
     return host.strip("[]"), int(port)

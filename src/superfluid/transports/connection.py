@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from ..bus import END_UNSUBSCRIBED, SubEnded, Subscription
-from ..daemon import Daemon, DaemonError, Generation
+from ..daemon import REFUSED, Daemon, Generation, refusal
 from ..generation import Committed, Done
 from ..protocol.schema import Request, Response
 from ..ratelimit import TokenBucket, retry_after_ms
@@ -48,8 +48,8 @@ class Connection:
     async def _generate(self, request: Request.Generate) -> None:
         try:
             generation = self.daemon.generate(request, provisional=False)
-        except DaemonError as e:
-            await self.send(Response.Err(str(e)))
+        except REFUSED as e:
+            await self.send(refusal(e))
             return
         self._generation = generation
         try:
@@ -68,8 +68,8 @@ class Connection:
     async def _subscribe(self, request: Request.Subscribe) -> None:
         try:
             sub = self.daemon.subscribe(request.session, request.cursor, request.provisional)
-        except DaemonError as e:
-            await self.send(Response.Err(str(e)))
+        except REFUSED as e:
+            await self.send(refusal(e))
             return
         await self.send(Response.Subscribed(sub.id))
         self._subs[sub.id] = (sub, asyncio.create_task(self._pump(sub)))

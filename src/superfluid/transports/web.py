@@ -34,7 +34,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..daemon import STREAMED, Daemon, DaemonError
+from ..daemon import REFUSED, STREAMED, Daemon, DaemonError, refusal
 from ..generation import Committed, Done, Provisional
 from ..protocol import jsoncodec
 from ..protocol.schema import Request
@@ -52,6 +52,7 @@ TOKEN_PROTOCOL = "superfluid.token."
 BODY_LIMIT = 2 << 20
 WS_INBOUND_QUEUE = 32
 KEEPALIVE_S = 15.0
+OWNER_HEADER = "X-Superfluid-Session-Owner"  # on a 409: the address of the daemon serving the session
 STREAMING_ON_RPC = "streaming verbs use the WebSocket surface (/web/ws) or SSE (/web/stream), not /web/rpc"
 PAGE = Path(__file__).resolve().parent.parent / "views" / "web"
 PAGE_FILES = {
@@ -83,9 +84,10 @@ class StreamRequest(Struct):
     ignore_eos: bool | None = None
 
 
-def mint_token(path: Path) -> str:
-    """A fresh token (32 random bytes as 64 hex digits), written with mode 0600."""
-    token = os.urandom(32).hex()
+def mint_token(path: Path, shared: str | None = None) -> str:
+    """A fresh token (32 random bytes as 64 hex digits), or the one all daemons sharing a store take
+    (so a client sent from one to another signs in there too), written with mode 0600."""
+    token = shared or os.urandom(32).hex()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -252,6 +254,10 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             )
         except DaemonError as e:
             return _err(422, f"invalid stream request: {e}")
+        try:
+            daemon.store.get(ask.session)  # served here from now on, unless another daemon serves it
+        except REFUSED as e:
+            return _reply(refusal(e))
         return StreamingResponse(
             _sse(daemon, ask, grammar),
             media_type="text/event-stream",
@@ -272,6 +278,10 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
 
 
 def _reply(reply: Any) -> Response:
+    """A reply as JSON; a session another daemon serves is a 409 whose header names that daemon."""
+    if isinstance(reply, Reply.Elsewhere):
+        headers = {OWNER_HEADER: reply.address}
+        return Response(jsoncodec.dumps(reply, Reply), 409, headers=headers, media_type="application/json")
     return Response(jsoncodec.dumps(reply, Reply), media_type="application/json")
 
 
@@ -280,7 +290,7 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
     try:
         generate = Request.Generate(ask.session, ask.max_tokens, ask.ignore_eos)
         generation = daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
-    except DaemonError as e:
+    except REFUSED as e:
         yield _frame({"error": str(e)})
         yield "data: [DONE]\n\n"
         return
@@ -355,10 +365,10 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
 
 
 class WebServer(HttpListener):
-    """The /web/* app on a loopback address."""
+    """The /web/* app on a loopback address (any address for daemons sharing a store)."""
 
-    def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str]) -> None:
-        host, port = parse_web_address(address)
+    def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str], anywhere: bool = False) -> None:
+        host, port = parse_web_address(address, anywhere)
         self.token = token
         self.app = create_app(daemon, token, origins)
         super().__init__(self.app, host, port, "the browser transport")

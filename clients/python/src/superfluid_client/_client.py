@@ -159,6 +159,10 @@ def _token_path() -> Path:
     return Path(home).expanduser() / "sessions" / "web-token"
 
 
+OWNER_HEADER = "X-Superfluid-Session-Owner"
+MAX_FOLLOWS = 3  # a session moving again while it is followed; more is a loop
+
+
 class Client:
     """The session API at `url`: http://127.0.0.1:8460, or $SUPERFLUID_WEB_URL."""
 
@@ -170,14 +174,15 @@ class Client:
         token_file: str | os.PathLike[str] | None = None,
         timeout: float = 600.0,
     ) -> None:
-        self.url = url or os.environ.get("SUPERFLUID_WEB_URL") or DEFAULT_URL
-        parsed = urllib.parse.urlsplit(self.url)
-        if parsed.scheme != "http" or not parsed.hostname:
-            raise ValueError(f"superfluid's web transport is plain http on loopback; got {self.url!r}")
-        self._host = parsed.hostname
-        self._port = parsed.port or 80
+        self._point_at(url or os.environ.get("SUPERFLUID_WEB_URL") or DEFAULT_URL)
         self.timeout = timeout
         self._token = self._resolve_token(token, token_file)
+
+    def _point_at(self, url: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"superfluid's web transport is plain http; got {url!r}")
+        self.url, self._host, self._port = url, parsed.hostname, parsed.port or 80
 
     @staticmethod
     def _resolve_token(token: str | None, token_file: str | os.PathLike[str] | None) -> str:
@@ -209,13 +214,22 @@ class Client:
         }
 
     def _post(self, path: str, body: Any) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        connection = self._connection()
-        try:
-            connection.request("POST", path, body=json.dumps(body).encode("ascii"), headers=self._headers())
-            response = connection.getresponse()
-        except BaseException:
+        """POST `body`; a session another daemon of the same store serves (409 naming its address)
+        is followed there, and this client talks to that daemon from then on."""
+        for _ in range(MAX_FOLLOWS + 1):
+            connection = self._connection()
+            try:
+                connection.request("POST", path, body=json.dumps(body).encode("ascii"), headers=self._headers())
+                response = connection.getresponse()
+            except BaseException:
+                connection.close()
+                raise
+            owner = response.getheader(OWNER_HEADER) if response.status == 409 else None
+            if not owner or not owner.startswith("http://") or owner.rstrip("/") == self.url.rstrip("/"):
+                break  # a daemon with no web address names its socket: nothing to follow
+            response.read()
             connection.close()
-            raise
+            self._point_at(owner)
         if response.status != 200:
             raw = response.read()
             connection.close()

@@ -1,0 +1,248 @@
+"""The PostgreSQL store's figures: what sharing one log between daemons costs, and failover.
+
+A PostgreSQL cluster of the bench's own runs in a temporary directory. Against the SQLite
+store, at 8 forced streams through the socket, one daemon up at a time (this machine has 2
+cores): each tick's commit latency (p50 and p99, from the `superfluid_commit_seconds`
+histogram's buckets) and decode tokens/s. Then two daemons on one database with short leases:
+the time from a SIGKILL of the one serving a generating session to the other streaming it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+from peer import Superfluid, free_port
+from pgcluster import PostgresCluster
+
+from superfluid.client import SocketClient
+from superfluid.protocol.schema import EventBody, GenParams, Request, Response
+
+R = TypeVar("R")
+GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+WINDOW, LANES, STREAMS = 4096, 8, 8
+RENEW_S, EXPIRY_S, DEFAULT_EXPIRY_S = 0.5, 3.0, 10.0
+COMMIT = "superfluid_commit_seconds"
+
+
+def buckets(client: SocketClient) -> dict[float, float]:
+    """The commit histogram's cumulative bucket counts, by upper bound (inf for +Inf)."""
+    text = client.call(Request.Metrics()).text
+    pattern = re.compile(rf'^{COMMIT}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} ([-+0-9.eE]+)$', re.MULTILINE)
+    counts: dict[float, float] = {}
+    for bound, value in pattern.findall(text):
+        counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)  # summed over any other labels
+    if not counts:
+        raise RuntimeError(f"{COMMIT} is not in the daemon's metrics")
+    return counts
+
+
+def quantile(counts: dict[float, float], q: float) -> float:
+    """The q-quantile of a cumulative histogram, interpolated linearly within its bucket (as
+    Prometheus' histogram_quantile does: one in the +Inf bucket counts as the largest finite bound)."""
+    bounds = sorted(counts)
+    total = counts[bounds[-1]]
+    if total <= 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        if counts[bound] >= rank:
+            if bound == float("inf"):
+                return lower
+            share = (rank - below) / max(counts[bound] - below, 1e-12)
+            return lower + (bound - lower) * share
+        lower, below = bound, counts[bound]
+    return lower
+
+
+def fresh_session(client: SocketClient, text: str) -> int:
+    session = client.call(Request.Create(None, GREEDY)).session
+    reply = client.call(Request.AppendMessage(session, 1, text))
+    if not isinstance(reply, Response.Committed):
+        raise RuntimeError(f"could not start a session: {reply}")
+    return session
+
+
+def forced(daemon: Superfluid, session: int, tokens: int, into: list[int]) -> None:
+    """A generation of exactly `tokens` tokens (end-of-generation banned), on its own connection."""
+    with daemon.client() as c:
+        c.send(Request.Generate(session, tokens, True))
+        reply = c.receive()
+        while isinstance(reply, Response.Delta):
+            reply = c.receive()
+    if not isinstance(reply, Response.Generated):
+        raise RuntimeError(f"generation failed: {reply}")
+    into.append(reply.tokens_generated)
+
+
+def streams(daemon: Superfluid, tokens: int, tag: str) -> float:
+    """Tokens/s of STREAMS concurrent forced generations on fresh sessions."""
+    with daemon.client() as c:
+        sessions = [fresh_session(c, f"Tell me a long story about lighthouse {tag}-{i}.") for i in range(STREAMS)]
+    done: list[int] = []
+    workers = [threading.Thread(target=forced, args=(daemon, s, tokens, done)) for s in sessions]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - started
+    if len(done) != STREAMS:
+        raise RuntimeError(f"{STREAMS - len(done)} of {STREAMS} streams failed")
+    return sum(done) / seconds
+
+
+def daemon(root: Path, threads: int, *extra: str) -> Superfluid:
+    """A daemon on the session API only, at the section's sizes."""
+    return Superfluid(root, WINDOW, LANES, "--threads", str(threads), *extra, http=False)
+
+
+def cluster_daemon(root: Path, threads: int, store: str) -> Superfluid:
+    """A daemon on `store` with its --web address (what others send clients to) and short leases."""
+    leases = ("--lease-renew", str(RENEW_S), "--lease-expiry", str(EXPIRY_S))
+    return daemon(root, threads, "--store", store, "--web", f"127.0.0.1:{free_port()}", *leases)
+
+
+def store_round(root: Path, threads: int, store: str | None, tokens: int, tag: str) -> tuple[float, dict[float, float]]:
+    """One daemon on `store` (None: SQLite), warmed up, then the workload: (tok/s, bucket deltas)."""
+    server = daemon(root, threads, *(("--store", store) if store else ())).start()
+    try:
+        streams(server, 8, f"warm-{tag}")  # a first run's one-off costs are not steady state
+        with server.client() as c:
+            before = buckets(c)
+            rate = streams(server, tokens, tag)
+            after = buckets(c)
+    finally:
+        server.stop()
+    return rate, {bound: after[bound] - before.get(bound, 0.0) for bound in after}
+
+
+def failover(root: Path, threads: int, store: str, taker: Superfluid, trial: int) -> tuple[float, float]:
+    """Seconds from a SIGKILL of the daemon serving a generating session to `taker` streaming it,
+    and to the last reply naming the dead daemon (what is left is the takeover and its prefill)."""
+    owner = cluster_daemon(root / f"a-{trial}", threads, store).start()
+    try:
+        with owner.client() as c:
+            session = fresh_session(c, f"Tell me a long story about lighthouse keeper {trial}.")
+            c.send(Request.Generate(session, 3000, True))
+            seen = 0
+            while seen < 8:  # a few tokens streamed: the generation is under way
+                reply = c.receive()
+                if not isinstance(reply, Response.Delta):
+                    raise RuntimeError(f"the owner's generation ended early: {reply}")
+                if isinstance(reply.event.body, EventBody.Generated):
+                    seen += len(reply.event.body.span)
+            assert owner.proc is not None
+            owner.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            owner.proc.wait()
+    finally:
+        owner.stop()
+    refused = 0.0
+    with taker.client() as c:
+        while time.monotonic() - killed < EXPIRY_S + 30:
+            c.send(Request.Generate(session, 16, True))
+            reply = c.receive()
+            if isinstance(reply, Response.Elsewhere):  # the dead owner's lease has not run out yet
+                refused = time.monotonic() - killed
+                time.sleep(0.05)
+                continue
+            if not isinstance(reply, Response.Delta):
+                raise RuntimeError(f"the other daemon did not take the session: {reply}")
+            took = time.monotonic() - killed
+            while isinstance(reply, Response.Delta):  # the rest of the stream, so the connection is clean
+                reply = c.receive()
+            return took, refused
+    raise RuntimeError(f"session {session} was still served elsewhere {EXPIRY_S + 30:g} s after the SIGKILL")
+
+
+Row = tuple[str, float, str, bool, str]
+
+
+def store_rows(root: Path, threads: int, pg: PostgresCluster, tokens: int, rounds: int) -> list[Row]:
+    """Commit latency per tick on each store, and decode tok/s on PostgreSQL over SQLite."""
+    stores = {"SQLite": None, "PostgreSQL": pg.database()}
+    rates: dict[str, list[float]] = {name: [] for name in stores}
+    commits: dict[str, dict[float, float]] = {name: {} for name in stores}
+    for round_ in range(rounds):
+        # one daemon at a time, and who goes first alternates: this machine drifts over minutes
+        order = list(stores) if round_ % 2 == 0 else list(reversed(stores))
+        for name in order:
+            rate, delta = store_round(root / name, threads, stores[name], tokens, f"{round_}")
+            rates[name].append(rate)
+            for bound, count in delta.items():
+                commits[name][bound] = commits[name].get(bound, 0.0) + count
+            print(
+                f"cluster: round {round_ + 1} of {rounds}, {name} store: {STREAMS} streams of {tokens} tokens, "
+                f"{rate:.1f} tok/s",
+                flush=True,
+            )
+    rows: list[Row] = []
+    for name, counts in commits.items():
+        p50, p99 = quantile(counts, 0.5) * 1000, quantile(counts, 0.99) * 1000
+        workload = f"{counts[float('inf')]:.0f} commits, {STREAMS} streams of {tokens} tokens, {rounds} round(s)"
+        rows.append((f"commit per tick, {name} store, p50 (ms)", p50, "(reported)", True, workload))
+        rows.append((f"commit per tick, {name} store, p99 (ms)", p99, "(reported)", True, workload))
+    ratios = [a / b for a, b in zip(rates["PostgreSQL"], rates["SQLite"], strict=True)]
+    middle = int(np.argsort(ratios)[len(ratios) // 2])  # the median round, shown with its own rates
+    ratio = ratios[middle]
+    detail = (
+        f"{rates['PostgreSQL'][middle]:.1f} vs {rates['SQLite'][middle]:.1f} tok/s in the median of {rounds} "
+        f"paired round(s) (ratios {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    rows.append(
+        (f"decode tok/s, {STREAMS} streams, PostgreSQL store / SQLite", ratio, ">= 0.95", ratio >= 0.95, detail)
+    )
+    return rows
+
+
+def failover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Row:
+    """The median failover time over `trials` owners killed in turn, one taker up throughout."""
+    store = pg.database()
+    taker = cluster_daemon(root / "b", threads, store).start()
+    try:
+        took, refused = [], []
+        for trial in range(trials):
+            first, last_refusal = failover(root, threads, store, taker, trial)
+            took.append(first)
+            refused.append(last_refusal)
+            print(
+                f"cluster: failover {trial + 1} of {trials}: a token after {first:.2f} s "
+                f"(sent to the dead daemon until {last_refusal:.2f} s)",
+                flush=True,
+            )
+    finally:
+        taker.stop()
+    median, limit = float(np.median(took)), EXPIRY_S + 1
+    detail = (
+        f"bounded by --lease-expiry ({EXPIRY_S:g} s here; {DEFAULT_EXPIRY_S:g} s by default); "
+        f"median of {trials}: {', '.join(f'{t:.2f}' for t in took)} s, "
+        f"sent to the dead daemon until {', '.join(f'{t:.2f}' for t in refused)} s"
+    )
+    return (
+        "failover: SIGKILL of the owner to a token on another daemon (s)",
+        median,
+        f"<= {limit:g} s",
+        median <= limit,
+        detail,
+    )
+
+
+def cluster_figures(root: Path, threads: int, quick: bool, result: Callable[..., R]) -> list[R]:
+    """The section's rows, each made by `result(name, value, target, passed, detail)`: run.py passes
+    its Result, which this module cannot import (run.py runs as __main__ and imports this one)."""
+    print("cluster: starting a PostgreSQL cluster", flush=True)
+    pg = PostgresCluster()
+    try:
+        rows = store_rows(root / "cluster", threads, pg, 32 if quick else 128, 1 if quick else 3)
+        print(f"cluster: failover, two daemons on one database (--lease-expiry {EXPIRY_S:g})", flush=True)
+        rows.append(failover_row(root / "cluster", threads, pg, 1 if quick else 3))
+    finally:
+        pg.remove()
+    return [result(*row) for row in rows]

@@ -1,0 +1,291 @@
+"""Several daemons on one PostgreSQL store: sessions leased to one daemon at a time, clients sent
+to the owner, failover after a SIGKILL, fencing of a paused owner, subscribers across daemons,
+and a restart of PostgreSQL under load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import (
+    GREEDY,
+    PostgresCluster,
+    WebDaemon,
+    chat_body,
+    forced,
+    free_port,
+    generated_tokens,
+    metric,
+    new_session,
+    say,
+)
+from superfluid_client import Client
+
+from superfluid.client import SocketClient
+from superfluid.protocol.schema import FINISH_ERROR, FINISH_LENGTH, EventBody, Request, Response
+
+RENEW_S, EXPIRY_S = 0.5, 3.0
+PROMPT = "Tell me about the history of lighthouses."
+
+
+class ClusterDaemon(WebDaemon):
+    """A daemon on `store` with short leases, its session API on --web and the OpenAI routes on --http."""
+
+    def __init__(self, root: Path, store: str) -> None:
+        timing = ("--lease-renew", str(RENEW_S), "--lease-expiry", str(EXPIRY_S))
+        super().__init__(root, "--store", store, *timing, max_context=2048)
+        port = free_port()
+        self.http_url = f"http://127.0.0.1:{port}"
+        self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{port}"]
+
+
+@pytest.fixture
+def daemons(tmp_path: Path, postgres: PostgresCluster) -> Iterator[list[ClusterDaemon]]:
+    """Three daemons sharing a fresh database."""
+    store = postgres.database()
+    procs = [ClusterDaemon(tmp_path / name, store) for name in "abc"]
+    threads = [threading.Thread(target=proc.start) for proc in procs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(proc.alive() for proc in procs)
+    yield procs
+    for proc in procs:
+        if proc.proc is not None and proc.proc.poll() is None:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.stop()
+
+
+def started_session(client: SocketClient) -> int:
+    session = new_session(client, GREEDY)
+    say(client, session, PROMPT)
+    return session
+
+
+def uncut_run(daemon: WebDaemon, tokens: int) -> list[int]:
+    """The greedy tokens of a fresh session with PROMPT, run uncut."""
+    with daemon.client() as c:
+        return generated_tokens(forced(c, started_session(c), tokens)[0])
+
+
+def read_generation(client: SocketClient, into: list) -> None:
+    """Every reply of a Generate already sent, up to its summary."""
+    while True:
+        into.append(client.receive())
+        if not isinstance(into[-1], Response.Delta):
+            return
+
+
+def events_of(daemon: WebDaemon, session: int) -> list:
+    with daemon.client() as c:
+        reply = c.call(Request.Read(session, 0))
+    assert isinstance(reply, Response.Events), reply
+    return reply.events
+
+
+def wait_until_served(daemon: WebDaemon, session: int, timeout: float) -> float:
+    """Seconds until `daemon` serves the session rather than naming another daemon."""
+    started = time.monotonic()
+    with daemon.client() as c:
+        while True:
+            reply = c.call(Request.Inspect(session))
+            if isinstance(reply, Response.Inspection):
+                return time.monotonic() - started
+            assert isinstance(reply, Response.Elsewhere), reply
+            assert time.monotonic() - started < timeout, f"session {session} still served elsewhere"
+            time.sleep(0.1)
+
+
+def test_a_session_is_served_by_one_daemon_and_clients_are_sent_to_it(daemons: list[ClusterDaemon]) -> None:
+    a, b, _ = daemons
+    assert a.token == b.token, "daemons on one store share the web token, so a client sent on signs in"
+    client = Client(a.url, a.token)
+    session = client.session()
+    session.user("Name a color.")
+    first = session.generate(8, ignore_eos=True)
+    assert first.tokens == 8
+
+    with b.client() as c:
+        refused = c.call(Request.AppendMessage(session.id, 1, "Another."))
+        assert isinstance(refused, Response.Elsewhere) and refused.address == a.url, refused
+        read = c.call(Request.Read(session.id, 0))  # reading needs no lease: any daemon answers it
+        assert isinstance(read, Response.Events) and read.events == events_of(a, session.id)
+        listed = c.call(Request.List())
+        assert isinstance(listed, Response.Sessions) and session.id in listed.ids
+    http = httpx.post(f"{b.url}/web/rpc", json={"Inspect": {"session": session.id}}, headers=b.headers())
+    assert http.status_code == 409 and http.headers["x-superfluid-session-owner"] == a.url, http.text
+
+    followed = Client(b.url, b.token)
+    again = followed.get(session.id)  # sent to a by b, and stays with a from then on
+    assert followed.url == a.url
+    again.user("And another.")
+    assert again.generate(4, ignore_eos=True).tokens == 4
+    log = events_of(a, session.id)
+    asked = max(i for i, e in enumerate(log) if isinstance(e.body, EventBody.Message))
+    assert log[asked].body.text == "And another." and isinstance(log[-1].body, EventBody.Generated)
+    chat = chat_body("Name a river.", 12, False)  # a stateless request: whichever daemon gets it answers
+    texts = [httpx.post(f"{d.http_url}/v1/chat/completions", json=chat, timeout=60).json() for d in (a, b)]
+    assert texts[0]["choices"][0]["message"]["content"] == texts[1]["choices"][0]["message"]["content"]
+    assert texts[0]["usage"]["completion_tokens"] == 12
+    a.stop()
+    assert wait_until_served(b, session.id, 5) < 2.0, "a clean stop gives the leases up: another takes them at once"
+
+
+def test_a_killed_daemons_sessions_carry_on_elsewhere_as_the_uncut_runs(daemons: list[ClusterDaemon]) -> None:
+    a, b, c = daemons
+    total = 160
+    uncut = uncut_run(c, total)
+    seen: dict[int, list] = {}
+    clients = [a.client() for _ in range(3)]
+    sessions = [started_session(client) for client in clients]
+    for client, session in zip(clients, sessions, strict=True):
+        client.send(Request.Generate(session, total, True))
+        seen[session] = []
+
+    def read_until_cut(client: SocketClient, session: int) -> None:
+        try:
+            while True:
+                reply = client.receive()
+                if not isinstance(reply, Response.Delta):
+                    return
+                seen[session].append(reply.event)
+        except (ConnectionError, OSError):
+            return
+
+    readers = [threading.Thread(target=read_until_cut, args=pair) for pair in zip(clients, sessions, strict=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 60
+    while min(len(generated_tokens(events)) for events in seen.values()) < 8:
+        assert time.monotonic() < deadline, "no tokens came"
+        time.sleep(0.02)
+    a.kill()
+    killed = time.monotonic()
+    for reader in readers:
+        reader.join(timeout=30)
+    for client in clients:
+        client.close()
+
+    waited = wait_until_served(b, sessions[0], EXPIRY_S + 10)
+    assert time.monotonic() - killed <= EXPIRY_S + 5, "another daemon serves the session within the lease expiry"
+    assert waited > 0
+    for session in sessions:
+        log = events_of(b, session)
+        by_id = {e.event_id: e for e in log}
+        assert all(by_id.get(e.event_id) == e for e in seen[session]), "every event a client saw is in the log"
+        with b.client() as client:
+            so_far = generated_tokens(log)
+            rest = generated_tokens(forced(client, session, total - len(so_far))[0]) if len(so_far) < total else []
+        assert so_far + rest == uncut, "the cut turn continues on another daemon as the uncut run"
+        assert any(isinstance(e.body, EventBody.EpochBump) for e in events_of(b, session)[len(log) - 1 :])
+    with b.client() as client:
+        assert metric(client, "superfluid_lease_takeovers_total") == len(sessions)
+        assert metric(client, "superfluid_leases_held") == len(sessions)
+
+
+def test_a_paused_owner_past_its_lease_has_its_late_writes_refused(daemons: list[ClusterDaemon]) -> None:
+    a, b, _ = daemons
+    kept: list = []  # a second session on the paused owner, which nobody takes: it goes on
+    with a.client() as owner, a.client() as other:
+        session, untaken = started_session(owner), started_session(other)
+        other.send(Request.Generate(untaken, 300, True))
+        reader = threading.Thread(target=read_generation, args=(other, kept))
+        reader.start()
+        owner.send(Request.Generate(session, 1500, True))
+        seen = []
+        while len(generated_tokens(seen)) < 8:
+            reply = owner.receive()
+            assert isinstance(reply, Response.Delta), reply
+            seen.append(reply.event)
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(EXPIRY_S + 1)
+            wait_until_served(b, session, 15)
+            with b.client() as taker:
+                taken = forced(taker, session, 12)[0]
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        reply = owner.receive()
+        while isinstance(reply, Response.Delta):  # what it had committed before it froze
+            seen.append(reply.event)
+            reply = owner.receive()
+        assert isinstance(reply, Response.Generated) and reply.finish == FINISH_ERROR, reply
+        reader.join(timeout=120)
+    summary = kept[-1]
+    assert isinstance(summary, Response.Generated), summary
+    assert summary.finish == FINISH_LENGTH and summary.tokens_generated == 300, "the session it kept went on"
+    log = events_of(b, session)
+    bump = max(i for i, e in enumerate(log) if isinstance(e.body, EventBody.EpochBump))
+    after = log[bump + 1 :]
+    assert after == taken, "after the takeover the log holds the new owner's events only"
+    assert generated_tokens(after) and len(generated_tokens(after)) == 12
+    assert after[-1].body.finish == FINISH_LENGTH
+    by_id = {e.event_id: e for e in log}
+    assert all(by_id.get(e.event_id) == e for e in seen), "what the paused owner's client saw was committed"
+    assert all(e.event_id < log[bump].event_id for e in seen)
+    with a.client() as c:
+        assert metric(c, "superfluid_leases_lost_total") >= 1
+
+
+def test_a_subscriber_on_one_daemon_sees_every_commit_of_another(daemons: list[ClusterDaemon]) -> None:
+    a, b, _ = daemons
+    with a.client() as owner, b.client() as watcher:
+        session = started_session(owner)
+        reply = watcher.call(Request.Subscribe(session, 0, False))
+        assert isinstance(reply, Response.Subscribed), reply
+        sub = reply.sub
+        forced(owner, session, 40)
+        say(owner, session, "Thanks.")
+        expected = events_of(a, session)
+        got = []
+        deadline = time.monotonic() + 30
+        while len(got) < len(expected):
+            assert time.monotonic() < deadline, f"the subscriber saw {len(got)} of {len(expected)} events"
+            item = watcher.receive()
+            assert isinstance(item, Response.SubEvent) and item.sub == sub, item
+            got.append(item.event)
+        assert got == expected, "in order, without gaps, as the log holds them"
+
+
+def test_postgresql_restarted_under_load_loses_nothing(tmp_path: Path) -> None:
+    cluster = PostgresCluster()
+    try:
+        daemon = ClusterDaemon(tmp_path / "a", cluster.url).start()
+        try:
+            with daemon.client() as c:
+                session = started_session(c)
+                c.send(Request.Generate(session, 300, True))
+                seen, reply = [], c.receive()
+                while isinstance(reply, Response.Delta) and len(generated_tokens(seen)) < 8:
+                    seen.append(reply.event)
+                    reply = c.receive()
+                cluster.stop()  # a fast shutdown: every connection is cut
+                cluster.start()  # back within the daemon's retries
+                while isinstance(reply, Response.Delta):
+                    seen.append(reply.event)
+                    reply = c.receive()
+                assert isinstance(reply, Response.Generated), reply
+                assert reply.finish == FINISH_LENGTH, "the daemon waited for the store and went on"
+                log = events_of(daemon, session)
+                by_id = {e.event_id: e for e in log}
+                assert all(by_id.get(e.event_id) == e for e in seen), "every event a client saw is in the log"
+
+                cluster.stop()  # away for longer than the daemon waits: a typed error, nothing written
+                refused = c.call(Request.AppendMessage(session, 1, "Still there?"))
+                assert isinstance(refused, Response.Err) and "unreachable" in refused.message, refused
+                cluster.start()
+                assert isinstance(c.call(Request.AppendMessage(session, 1, "Back?")), Response.Committed)
+                after = events_of(daemon, session)
+                assert after[: len(log)] == log and after[-1].body.text == "Back?"
+        finally:
+            daemon.stop()
+    finally:
+        cluster.remove()
