@@ -68,7 +68,7 @@ serve: $(STAMP)
 test: $(STAMP) system-packages
 	$(BIN)/ruff check src tests clients bench
 	$(BIN)/ruff format --check src tests clients bench
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 bench: $(STAMP) peers
 	$(BIN)/python bench/run.py --peers $(PEERS)

@@ -58,8 +58,8 @@ class Stores:
         self.directory, self.url = directory, url
 
     def log(self) -> SessionLog:
-        # one address for every opening: each is this test's daemon started again, taking its sessions back
-        return PostgresLog(self.url, "http://127.0.0.1:1") if self.url else SqliteLog(self.directory)
+        # one daemon name for every opening: each is this test's daemon started again, taking its sessions back
+        return PostgresLog(self.url, daemon="test") if self.url else SqliteLog(self.directory)
 
     def open(self) -> SessionStore:
         return SessionStore(self.directory, self.log())

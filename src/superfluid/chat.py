@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .daemon import ContextTooLong, Daemon, DaemonError
+from .daemon import REFUSED, ContextTooLong, Daemon
 from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
 from .engine.shaping import Shaping
 from .generation import Committed, Done, Provisional
@@ -187,7 +187,7 @@ class ChatRun:
             )
         except ContextTooLong as e:
             raise ChatError(str(e), code="context_length_exceeded") from None
-        except DaemonError as e:
+        except REFUSED as e:
             raise ChatError(str(e)) from None
 
     def _grammar(self) -> str | None:
@@ -220,7 +220,7 @@ class ChatRun:
                 runtime=self.runtime,
                 shaping=self.request.shaping,
             )
-        except DaemonError as e:
+        except REFUSED as e:
             self.outcome = Outcome("error", self.prompt_tokens, 0, 0, error=str(e))
             return
         stops = StopScanner(self.request.stop)

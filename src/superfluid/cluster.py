@@ -31,9 +31,10 @@ class RemoteCommits:
             store.leases.on_missed = self.missed
 
     def watch(self, session: int, next_id: int) -> None:
-        """A subscriber follows `session` from `next_id`: catch it up with what the store holds."""
-        if self.store.leases is None or self.store.leases.holds(session):
-            return  # this daemon's own commits reach the bus as they are made
+        """A subscriber follows `session` from `next_id`: catch it up with what the store holds (also
+        for a session served here, which another daemon may take later)."""
+        if self.store.leases is None:
+            return  # one daemon: its own commits reach the bus as they are made
         with self._lock:
             self._next[session] = min(self._next.get(session, next_id), next_id)
         self.announced(session)
@@ -47,9 +48,10 @@ class RemoteCommits:
     def announced(self, session: int) -> None:
         """Another daemon committed to `session` (the store's listener thread, or `watch`)."""
         self.store.stale(session)
+        leases = self.store.leases
         with self._lock:
-            if session not in self._next:
-                return
+            if session not in self._next or (leases is not None and leases.holds(session)):
+                return  # what this daemon commits it publishes itself
             if not self.bus.watched(session):
                 del self._next[session]
                 return

@@ -66,7 +66,7 @@ from .runtime import Models, Runtime
 from .scheduler.scheduler import Job, Scheduler
 from .store.leases import LeaseLost, SessionElsewhere
 from .store.media import MediaStore
-from .store.postgres import StoreUnavailable
+from .store.postgres import StoreError
 from .store.sessions import SessionStore, now_ms
 from .store.state import SessionState, ToolCallState
 
@@ -89,7 +89,7 @@ class DaemonError(Exception):
 
 
 # what refuses a request without anything written, as the client is told of it
-REFUSED = (DaemonError, SessionElsewhere, LeaseLost, StoreUnavailable)
+REFUSED = (DaemonError, SessionElsewhere, LeaseLost, StoreError)
 
 
 def refusal(e: Exception) -> Response:
@@ -192,6 +192,7 @@ class Daemon:
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
         self.remote = RemoteCommits(store, self.bus)
+        store.on_commit = self.bus.publish  # the EpochBump of a session taken back
         if store.leases is not None:
             store.leases.on_lost = store.forget  # their runs end when their next commit is refused
         models.on_load = self._attach

@@ -301,7 +301,10 @@ class Generations:
     def _commit(self, batch: list[TickWrites]) -> tuple[list[TickWrites], list[EventMsg]]:
         """Commit a tick's records in one transaction: the runs whose writes were committed, and the
         events. The runs of sessions whose lease this daemon lost fail alone; the others commit
-        without them. When the store refuses the whole tick, nothing of it is durable."""
+        without them. When the store refuses the whole tick, nothing of it is durable. A run that
+        failed writes nothing more: its later ticks, queued already, would leave a hole in its turn."""
+        self._fail([item for item in batch if item[0].failure is not None], "")
+        batch = [item for item in batch if item[0].failure is None]
         while batch:
             try:
                 return batch, self.store.commit([(run.session, body) for run, bodies, _ in batch for body in bodies])
@@ -316,10 +319,10 @@ class Generations:
 
     def _fail(self, batch: list[TickWrites], why: str) -> None:
         for run, _, final in batch:
-            run.failure = why
+            run.failure = run.failure or why
             run.job.cancelled = True
             if final:
-                run.finish, run.error = FINISH_ERROR, why
+                run.finish, run.error = FINISH_ERROR, run.failure
                 self._release(run)
                 run.conclude()
 

@@ -19,9 +19,10 @@ from .daemon import Daemon
 from .logsetup import LogPane
 from .metrics import Metrics
 from .runtime import Models
-from .store.leases import LeaseTiming
+from .store.leases import LeaseTiming, daemon_id
 from .store.postgres import PostgresLog, open_log, redacted
 from .store.sessions import SessionStore
+from .transports.addresses import reachable
 from .transports.socket import SocketServer
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     # who holds a lease, until --web says where clients reach it: this machine's socket, which a
     # restart of this daemon shares, so that it takes its own sessions back at once
     address = config.advertise or f"unix:{socket.gethostname()}:{config.socket}"
-    store = SessionStore(config.sessions, open_log(config.store, address, timing) if config.store else None)
+    shared = open_log(config.store, address, timing, daemon_id(config.sessions)) if config.store else None
+    store = SessionStore(config.sessions, shared)
     daemon = Daemon(store, models, metrics=Metrics())
     try:
         for model_id in list(models.known):  # every model named at start is loaded at start
@@ -84,7 +86,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         )
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
-            store.leases.address = url
+            store.leases.address = reachable(url)
     socket_server = SocketServer(daemon, config.socket)
     await socket_server.start()
     api_server = None

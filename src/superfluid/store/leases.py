@@ -1,13 +1,15 @@
 """Sessions leased to daemons, so that several daemons share one PostgreSQL log safely.
 
-A session is served by one daemon at a time: the one holding its row in `leases` (owner,
-the address clients reach it at, a fencing epoch, an expiry on the server's clock). A
+A session is served by one daemon at a time: the one holding its row in `leases` (owner:
+this run of the daemon; daemon: the daemon across its runs, an id kept under --sessions;
+the address clients reach it at; a fencing epoch; an expiry on the server's clock). A
 daemon takes a session's lease when it first serves it, renews all of its leases in the
 background, and gives them up at a clean stop. A lease that ran out (its daemon died,
 paused or lost the network) is taken by the next daemon asked for the session, which
-bumps the epoch. Every append checks, in its own transaction and under a share lock on
-the lease rows, that this daemon still holds each session at the epoch it took: a daemon
-that lost a lease has its writes refused, so no two daemons ever commit to one session.
+bumps the epoch; a daemon started again takes its earlier run's leases back at once.
+Every append checks, in its own transaction and under a share lock on the lease rows,
+that this daemon still holds each session at the epoch it took: a daemon that lost a
+lease has its writes refused, so no two daemons ever commit to one session.
 
 Times are the database server's (`clock_timestamp()`), so the daemons' clocks never matter.
 """
@@ -20,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("superfluid.store")
@@ -31,6 +34,7 @@ LEASES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS leases (
     session    BIGINT PRIMARY KEY,
     owner      TEXT NOT NULL,
+    daemon     TEXT NOT NULL,
     address    TEXT NOT NULL,
     epoch      BIGINT NOT NULL,
     expires_at TIMESTAMPTZ NOT NULL
@@ -39,21 +43,24 @@ CREATE INDEX IF NOT EXISTS leases_owner ON leases (owner);
 """
 
 # Take a session: a new row, or the row of a lease that ran out (or of an earlier run of
-# this daemon at the same address, dead since), with the epoch bumped; nothing otherwise.
+# this daemon, dead since), with the epoch bumped; nothing otherwise.
 _TAKE = """
-INSERT INTO leases AS l (session, owner, address, epoch, expires_at)
-VALUES (%(session)s, %(owner)s, %(address)s, 1, clock_timestamp() + make_interval(secs => %(expiry)s))
+INSERT INTO leases AS l (session, owner, daemon, address, epoch, expires_at)
+VALUES (%(session)s, %(owner)s, %(daemon)s, %(address)s, 1,
+        clock_timestamp() + make_interval(secs => %(expiry)s))
 ON CONFLICT (session) DO UPDATE
-    SET owner = EXCLUDED.owner, address = EXCLUDED.address, expires_at = EXCLUDED.expires_at,
+    SET owner = EXCLUDED.owner, daemon = EXCLUDED.daemon, address = EXCLUDED.address,
+        expires_at = EXCLUDED.expires_at,
         epoch = CASE WHEN l.owner = EXCLUDED.owner THEN l.epoch ELSE l.epoch + 1 END
-    WHERE l.owner = EXCLUDED.owner OR l.expires_at < clock_timestamp()
-       OR (EXCLUDED.address <> '' AND l.address = EXCLUDED.address)
+    WHERE l.owner = EXCLUDED.owner OR l.daemon = EXCLUDED.daemon OR l.expires_at < clock_timestamp()
 RETURNING epoch
 """
-_RENEW = (
-    "UPDATE leases SET expires_at = clock_timestamp() + make_interval(secs => %s) WHERE owner = %s "
-    "RETURNING session, epoch"
-)
+# Rows are locked in session order, by renewals and appends alike, so that they never deadlock.
+_RENEW = """
+UPDATE leases SET expires_at = clock_timestamp() + make_interval(secs => %(expiry)s), address = %(address)s
+WHERE session IN (SELECT session FROM leases WHERE owner = %(owner)s ORDER BY session FOR UPDATE)
+RETURNING session, epoch
+"""
 
 
 class SessionElsewhere(RuntimeError):
@@ -80,6 +87,18 @@ class LeaseLost(RuntimeError):
         )
 
 
+def daemon_id(directory: Path) -> str:
+    """This daemon's name across its runs: an id kept in `directory` (its --sessions), made once."""
+    path = directory / "daemon-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        directory.mkdir(parents=True, exist_ok=True)
+        name = uuid.uuid4().hex
+        path.write_text(name)
+        return name
+
+
 @dataclass(frozen=True)
 class LeaseTiming:
     """How often leases are renewed and how long one lasts unrenewed."""
@@ -91,11 +110,15 @@ class LeaseTiming:
 class Leases:
     """This daemon's leases in one PostgreSQL store: taken, checked in appends, renewed, released."""
 
-    def __init__(self, run: Callable[[Callable[[Any], Any]], Any], address: str, timing: LeaseTiming) -> None:
+    def __init__(
+        self, run: Callable[[Callable[[Any], Any]], Any], address: str, timing: LeaseTiming, daemon: str
+    ) -> None:
         """`run(work)` calls `work(db)` on a pooled connection (retried while the server is away);
-        `address` is what clients sent here by another daemon are told."""
+        `address` is what clients sent here by another daemon are told; `daemon` names this daemon
+        across its runs."""
         self._run = run
         self.owner = uuid.uuid4().hex
+        self.daemon = daemon
         self.address = address
         self.timing = timing
         self.held: dict[int, int] = {}  # session -> the epoch this daemon took it at
@@ -111,46 +134,62 @@ class Leases:
     def holds(self, session: int) -> bool:
         return session in self.held
 
-    def take(self, session: int) -> None:
-        """Take the session's lease (SessionElsewhere when another live daemon holds it)."""
+    def take(self, session: int) -> bool:
+        """Take the session's lease (SessionElsewhere when another live daemon holds it); True when it
+        was not this run's before (a run of a daemon, this one's earlier run included, may have cut a
+        turn short)."""
         if session in self.held:
-            return
+            return False
 
         def work(db: Any) -> tuple[Any, Any]:
-            before = db.execute("SELECT owner, address FROM leases WHERE session = %s", (session,)).fetchone()
+            query = "SELECT owner, address, daemon FROM leases WHERE session = %s"
+            before = db.execute(query, (session,)).fetchone()
             return db.execute(_TAKE, self._params(session)).fetchone(), before
 
         taken, before = self._run(work)
         if taken is None:
             raise SessionElsewhere(session, before[1] if before else "")
-        if before is not None and before[0] != self.owner:
+        if before is not None and before[2] != self.daemon:
             self.takeovers += 1
             log.info("took session %d over from the daemon at %s: its lease ran out", session, before[1] or "?")
         with self._lock:
             self.held[session] = int(taken[0])
+        return before is None or before[0] != self.owner
 
-    def check(self, db: Any, sessions: set[int], started: set[int]) -> None:
-        """Inside an append's transaction: lease the sessions it starts, and check it holds the others
-        at the epoch it took them (their rows share-locked until the commit, so no takeover slips in)."""
-        for session in started:
-            db.execute(_TAKE, self._params(session))
+    def release_one(self, session: int) -> None:
+        """Give a lease up that was taken for nothing (a session the log does not hold)."""
+        self.forget([session])
+        self._run(lambda db: db.execute("DELETE FROM leases WHERE session = %s AND owner = %s", (session, self.owner)))
+
+    def check(self, db: Any, sessions: set[int], started: set[int]) -> dict[int, int]:
+        """Inside an append's transaction: lease the sessions it starts (their epochs returned), and
+        check it holds the others at the epoch it took them (their rows share-locked until the
+        commit, so no takeover slips in)."""
+        epochs = {}
+        for session in sorted(started):
+            row = db.execute(_TAKE, self._params(session)).fetchone()
+            if row is None:  # a new id another daemon leased first: nothing of it is written
+                raise LeaseLost([session])
+            epochs[session] = int(row[0])
         others = sorted(sessions - started)
         if others:
             rows = db.execute(
-                "SELECT session, epoch FROM leases WHERE owner = %s AND session = ANY(%s) FOR SHARE",
+                "SELECT session, epoch FROM leases WHERE owner = %s AND session = ANY(%s) ORDER BY session FOR SHARE",
                 (self.owner, others),
             ).fetchall()
             found = {int(session): int(epoch) for session, epoch in rows}
-            lost = [s for s in others if s not in self.held or found.get(s) != self.held[s]]
+            with self._lock:
+                held = {s: self.held.get(s) for s in others}
+            lost = [s for s in others if held[s] is None or found.get(s) != held[s]]
             if lost:
-                self.lost += sum(1 for s in lost if s in self.held)
+                self.lost += sum(1 for s in lost if held[s] is not None)
                 raise LeaseLost(lost)
+        return epochs
 
-    def committed(self, started: set[int]) -> None:
-        """An append that started these sessions committed: they are held at epoch 1 or the one taken."""
+    def committed(self, epochs: dict[int, int]) -> None:
+        """An append that started these sessions committed: they are held at the epochs taken."""
         with self._lock:
-            for session in started:
-                self.held.setdefault(session, 1)
+            self.held.update(epochs)
 
     def forget(self, sessions: Iterable[int]) -> None:
         with self._lock:
@@ -158,7 +197,13 @@ class Leases:
                 self.held.pop(session, None)
 
     def _params(self, session: int) -> dict[str, Any]:
-        return {"session": session, "owner": self.owner, "address": self.address, "expiry": self.timing.expiry_s}
+        return {
+            "session": session,
+            "owner": self.owner,
+            "daemon": self.daemon,
+            "address": self.address,
+            "expiry": self.timing.expiry_s,
+        }
 
     # ---- renewal ----
 
@@ -168,10 +213,13 @@ class Leases:
 
     def renew(self) -> None:
         """Extend every lease this daemon holds; those it no longer holds are reported as lost."""
-        rows = self._run(lambda db: db.execute(_RENEW, (self.timing.expiry_s, self.owner)).fetchall())
+        with self._lock:
+            judged = dict(self.held)  # what is taken while the renewal runs is not judged by it
+        params = {"expiry": self.timing.expiry_s, "owner": self.owner, "address": self.address}
+        rows = self._run(lambda db: db.execute(_RENEW, params).fetchall())
         found = {int(session): int(epoch) for session, epoch in rows}
         with self._lock:
-            lost = [s for s, epoch in self.held.items() if found.get(s) != epoch]
+            lost = [s for s, epoch in judged.items() if found.get(s) != epoch and self.held.get(s) == epoch]
             for session in lost:
                 del self.held[session]
         if lost:

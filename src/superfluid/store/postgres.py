@@ -13,7 +13,7 @@ Sessions are leased to one daemon at a time (leases.py): every append checks the
 its transaction, and announces its sessions on the `superfluid_commits` channel, which each
 daemon LISTENs to so that a subscriber on one daemon sees another's commits. A connection the
 server dropped (a restart, a failover) is retried for a few seconds before the caller gets
-`StoreUnavailable`; an append whose commit was cut off is looked up before it is retried.
+`StoreError`; an append whose commit was cut off is looked up before it is retried.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -37,8 +38,10 @@ POOL_SIZE = 4
 CHANNEL = "superfluid_commits"
 RETRY_S = 8.0  # how long a dropped connection is retried before the caller hears of it
 CONNECT_S = 2.0  # a wait for a pooled connection, retried within RETRY_S
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 T = TypeVar("T")
-STARTS = (EventBody.Created, EventBody.Forked, EventBody.Rebased)  # a record that starts a session
+FORKS = (EventBody.Forked, EventBody.Rebased)  # a record that starts a session from a parent's events
+STARTS = (EventBody.Created, *FORKS)  # a record that starts a session
 
 _SCHEMA = (
     """
@@ -74,20 +77,25 @@ _LINEAGE_SQL = {
 _SELECT = "SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events"
 
 
-class StoreUnavailable(RuntimeError):
-    """The PostgreSQL store did not answer in time; nothing was written."""
+class StoreError(RuntimeError):
+    """The PostgreSQL store did not answer in time, or refused a statement; nothing was written."""
 
 
 class PostgresLog:
     """Append-only event log of all sessions in one PostgreSQL database (a `SessionLog`)."""
 
-    def __init__(self, url: str, address: str = "", timing: LeaseTiming | None = None) -> None:
+    def __init__(
+        self, url: str, address: str = "", timing: LeaseTiming | None = None, daemon: str | None = None
+    ) -> None:
         """The log at `url`; `address` is where clients reach this daemon, told to those asking it
-        for a session another daemon serves."""
+        for a session another daemon serves; `daemon` names this daemon across its runs (a new name
+        when not given)."""
         import psycopg  # only a daemon with --store postgresql:// needs it
         from psycopg_pool import ConnectionPool
 
-        self._dropped = psycopg.OperationalError  # PoolTimeout too
+        # a connection lost (PoolTimeout included), or a transaction the server ended: tried again
+        self._dropped = (psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout)
+        self._refused = psycopg.Error
         self.url = url
         timing = timing or LeaseTiming()
         # A transaction left open by a daemon that froze (SIGSTOP, a VM paused) would hold its lease
@@ -97,7 +105,8 @@ class PostgresLog:
             url,
             min_size=1,
             max_size=POOL_SIZE,
-            kwargs={"autocommit": True, "options": options},
+            # a server gone silent (a partition) is noticed, not waited on for ever
+            kwargs={"autocommit": True, "options": options, "connect_timeout": 5, **KEEPALIVES},
             timeout=CONNECT_S,
             open=False,
             name="superfluid-store",
@@ -107,7 +116,7 @@ class PostgresLog:
         except Exception as e:
             raise RuntimeError(f"the PostgreSQL store at {redacted(url)} did not answer: {e}") from None
         self.store_id = self._migrate()
-        self.leases = Leases(self.run, address, timing)
+        self.leases = Leases(self.run, address, timing, daemon or uuid.uuid4().hex)
         self.leases.start()
         self._listening = threading.Event()
         self._closing = threading.Event()
@@ -135,7 +144,7 @@ class PostgresLog:
 
     def run(self, work: Callable[[Any], T], landed: Callable[[Any], bool] | None = None) -> T:
         """`work(db)` on a pooled connection, again while the server drops connections (restarting,
-        failing over) for up to RETRY_S, then StoreUnavailable. For a write, `landed(db)` tells
+        failing over) for up to RETRY_S, then StoreError. For a write, `landed(db)` tells
         whether an attempt cut off at its commit went through after all (it is not written twice)."""
         deadline = time.monotonic() + RETRY_S
         cut_off = False
@@ -147,13 +156,13 @@ class PostgresLog:
                     return work(db)
             except self._dropped as e:
                 if time.monotonic() > deadline:
-                    raise StoreUnavailable(
-                        f"the PostgreSQL store at {redacted(self.url)} is unreachable: {e}"
-                    ) from None
+                    raise StoreError(f"the PostgreSQL store at {redacted(self.url)} is unreachable: {e}") from None
                 if not cut_off:
                     logger.warning("the PostgreSQL store dropped a connection (%s): retrying", str(e).strip())
                 cut_off = True
                 time.sleep(0.25)
+            except self._refused as e:
+                raise StoreError(f"the PostgreSQL store at {redacted(self.url)} refused it: {e}") from None
 
     def shared_token(self) -> str:
         """The web token of every daemon on this store, made by the first that asks."""
@@ -229,11 +238,13 @@ class PostgresLog:
         sessions = {r.session for r in records}
         started = {r.session for r in records if isinstance(r.event.body, STARTS)}
         # a fork changes its parent's children too
-        announced = sessions | {r.event.body.parent for r in records if isinstance(r.event.body, STARTS[1:])}
+        announced = sessions | {r.event.body.parent for r in records if isinstance(r.event.body, FORKS)}
+
+        epochs: dict[int, int] = {}
 
         def write(db: Any) -> None:
             with db.transaction():
-                self.leases.check(db, sessions, started)
+                epochs.update(self.leases.check(db, sessions, started))
                 with db.cursor() as cursor:
                     cursor.executemany(
                         "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (%s, %s, %s, %s, %s)",
@@ -259,7 +270,7 @@ class PostgresLog:
             return found is not None and (int(found[0]), found[1]) == (first[2], first[4])
 
         self.run(write, landed)
-        self.leases.committed(started)
+        self.leases.committed(epochs)
 
     def _listen(self) -> None:
         """Hear the other daemons' commits (LISTEN), reconnecting while the server is away."""
@@ -268,7 +279,7 @@ class PostgresLog:
         cut_off = False
         while not self._closing.is_set():
             try:
-                with psycopg.connect(self.url, autocommit=True) as db:
+                with psycopg.connect(self.url, autocommit=True, connect_timeout=5, **KEEPALIVES) as db:
                     db.execute(f"LISTEN {CHANNEL}")
                     if self._listening.is_set():
                         logger.info("hearing the store's commit announcements again")
@@ -308,9 +319,9 @@ def _move_lineage(db: Any, record: Record) -> None:
         db.execute(_LINEAGE_SQL[type(change)], vars(change))
 
 
-def open_log(url: str, address: str = "", timing: LeaseTiming | None = None) -> PostgresLog:
+def open_log(url: str, address: str, timing: LeaseTiming, daemon: str) -> PostgresLog:
     """The PostgreSQL log at `url`, as `serve --store` names it."""
-    log = PostgresLog(url, address, timing)
+    log = PostgresLog(url, address, timing, daemon)
     logger.info("the session log is in PostgreSQL at %s", redacted(url))
     return log
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..protocol.schema import EventBody, EventMsg
@@ -50,6 +50,7 @@ class SessionStore:
         self.log = log if log is not None else SqliteLog(directory)
         self.table = SessionTable()
         self.views: dict[int, SessionState] = {}  # on a shared log: sessions read, not served here
+        self.on_commit: Callable[[int, list[EventMsg]], None] = lambda session, events: None  # what the store writes
         self.lock = threading.RLock()
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
@@ -146,21 +147,28 @@ class SessionStore:
         return self.log.session_count()
 
     def _load(self, session_ids: Sequence[int]) -> None:
-        """Replay the sessions not in memory yet, and fence the live ones with an EpochBump, in one transaction."""
-        loaded = []
+        """Replay the sessions not in memory yet, and fence the live ones of another run (on SQLite,
+        all of them) with an EpochBump, in one transaction; subscribers are told of the bumps."""
+        fenced = []
         for session_id in session_ids:
             if session_id not in self.table.sessions:
+                moved = True
                 if self.leases is not None:
-                    self.leases.take(session_id)  # before the replay: nobody else writes to it after
+                    moved = self.leases.take(session_id)  # before the replay: nobody else writes to it after
                     self.views.pop(session_id, None)
                 state = self._replay(session_id)
-                if state is not None:
-                    state.children = self.log.children_of(session_id)
-                    self.table.sessions[session_id] = state
-                    loaded.append(state)
-        bumps: list[tuple[int, EventBody]] = [(s.id, B.EpochBump()) for s in loaded if not s.purged]
-        self.commit(bumps)
-        self.fenced += len(bumps)
+                if state is None:
+                    if self.leases is not None:
+                        self.leases.release_one(session_id)  # no such session: nothing to hold
+                    continue
+                state.children = self.log.children_of(session_id)
+                self.table.sessions[session_id] = state
+                if moved and not state.purged:
+                    fenced.append(state)
+        events = self.commit([(s.id, B.EpochBump()) for s in fenced])
+        for state, event in zip(fenced, events, strict=True):
+            self.on_commit(state.id, [event])
+        self.fenced += len(fenced)
 
     def _replay(self, session_id: int, before: int | None = None) -> SessionState | None:
         """A session from its own records (those before `before` only, if given); None if it has none.

@@ -26,3 +26,14 @@ def parse_web_address(address: str, anywhere: bool = False) -> tuple[str, int]:
             "daemons on several machines serve one store)"
         )
     return host.strip("[]"), int(port)
+
+
+def reachable(url: str) -> str:
+    """A listener's URL as other machines reach it: a wildcard bind (0.0.0.0, ::) named by this host."""
+    scheme, _, rest = url.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        import socket
+
+        return f"{scheme}://{socket.getfqdn()}:{port}"
+    return url

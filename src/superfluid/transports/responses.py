@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome
-from ..daemon import TURN_ENDED, Daemon
+from ..daemon import REFUSED, TURN_ENDED, Daemon
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
@@ -244,7 +244,10 @@ class Responses:
         """Where to continue the previous response's session, when its prompt can be kept as it is."""
         if previous is None or previous["head"] != head or not previous["turn_ended"] or not appendable(items):
             return None
-        state = self.daemon.store.get(previous["session"])
+        try:
+            state = self.daemon.store.get(previous["session"])
+        except REFUSED:  # served by another daemon of the store, or the store away: render it anew
+            return None
         if state is None or state.purged:
             return None
         return previous["session"], previous["events"]

@@ -254,10 +254,11 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             )
         except DaemonError as e:
             return _err(422, f"invalid stream request: {e}")
-        try:
-            daemon.store.get(ask.session)  # served here from now on, unless another daemon serves it
-        except REFUSED as e:
-            return _reply(refusal(e))
+        if daemon.store.leases is not None:
+            try:
+                daemon.store.get(ask.session)  # served here from now on, unless another daemon serves it
+            except REFUSED as e:
+                return _reply(refusal(e))
         return StreamingResponse(
             _sse(daemon, ask, grammar),
             media_type="text/event-stream",

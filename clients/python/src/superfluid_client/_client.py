@@ -216,7 +216,7 @@ class Client:
     def _post(self, path: str, body: Any) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """POST `body`; a session another daemon of the same store serves (409 naming its address)
         is followed there, and this client talks to that daemon from then on."""
-        for _ in range(MAX_FOLLOWS + 1):
+        for hop in range(MAX_FOLLOWS + 1):
             connection = self._connection()
             try:
                 connection.request("POST", path, body=json.dumps(body).encode("ascii"), headers=self._headers())
@@ -225,7 +225,8 @@ class Client:
                 connection.close()
                 raise
             owner = response.getheader(OWNER_HEADER) if response.status == 409 else None
-            if not owner or not owner.startswith("http://") or owner.rstrip("/") == self.url.rstrip("/"):
+            moved = owner is not None and owner.startswith("http://") and owner.rstrip("/") != self.url.rstrip("/")
+            if hop == MAX_FOLLOWS or not moved:
                 break  # a daemon with no web address names its socket: nothing to follow
             response.read()
             connection.close()
