@@ -193,8 +193,6 @@ class Daemon:
         self.generations = Generations(store, self._release, metrics)
         self.remote = RemoteCommits(store, self.bus)
         store.on_commit = self.bus.publish  # the EpochBump of a session taken back
-        if store.leases is not None:
-            store.leases.on_lost = store.forget  # their runs end when their next commit is refused
         models.on_load = self._attach
         self._purging: set[int] = set()
         self._completions: OrderedDict[tuple[str, str, int, int], tuple[str, list[int]]] = OrderedDict()

@@ -11,10 +11,11 @@ record changes there is derived once, here (`lineage_changes`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from ..protocol import jsoncodec
 from ..protocol.schema import EventBody, EventMsg
 from .leases import Leases
 
@@ -113,3 +114,35 @@ def lineage_changes(record: Record) -> list[Parent | Rerooted | Pin]:
     if isinstance(body, B.Purged):
         return [Pin(session, 0)]
     return []
+
+
+# An `events` row as both logs store it: session, event_id, epoch, ts_unix_ms, body (its JSON),
+# and, as read back, seq.
+EventRow = tuple[int, int, int, int, str]
+
+
+def event_row(record: Record) -> EventRow:
+    """The row a record is written as."""
+    event = record.event
+    return record.session, event.event_id, event.epoch, event.ts_unix_ms, jsoncodec.dumps(event.body, EventBody)
+
+
+def sequenced(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[int, Record]]:
+    """Rows read back (the columns of `event_row`, then seq) as records with their seq."""
+    for session, event_id, epoch, ts, body, seq in rows:
+        yield (
+            int(seq),
+            Record(int(session), EventMsg(int(event_id), int(epoch), int(ts), jsoncodec.loads(body, EventBody))),
+        )
+
+
+def lineage_filter(placeholder: str) -> tuple[str, list[str]]:
+    """A WHERE clause selecting the records that move `lineage`, and its parameters, in a driver's
+    placeholder style (`?` or `%s`)."""
+    return " OR ".join(f"body LIKE {placeholder}" for _ in LINEAGE_KINDS), [f'{{"{k}":%' for k in LINEAGE_KINDS]
+
+
+def move_lineage(db: Any, record: Record, statements: dict[type, str]) -> None:
+    """Apply what one record changes in `lineage`, with a log's own SQL for each kind of change."""
+    for change in lineage_changes(record):
+        db.execute(statements[type(change)], vars(change))

@@ -26,10 +26,9 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..protocol import jsoncodec
 from ..protocol.schema import EventBody, EventMsg
 from .leases import LEASES_SCHEMA, Leases, LeaseTiming
-from .log import LINEAGE_KINDS, Parent, Pin, Record, Rerooted, lineage_changes
+from .log import Parent, Pin, Record, Rerooted, event_row, lineage_filter, move_lineage, sequenced
 
 logger = logging.getLogger("superfluid.store")
 SCHEMA_VERSION = 2  # 2: leases
@@ -183,18 +182,18 @@ class PostgresLog:
         return not self._rows("SELECT 1 FROM events LIMIT 1")
 
     def replay(self) -> Iterator[Record]:
-        for _, record in _sequenced(self._rows(f"{_SELECT} ORDER BY seq")):
+        for _, record in sequenced(self._rows(f"{_SELECT} ORDER BY seq")):
             yield record
 
     def records_of(self, session: int, before: int | None = None) -> list[tuple[int, Record]]:
         if before is None:
-            return _sequenced(self._rows(f"{_SELECT} WHERE session = %s ORDER BY event_id", (session,)))
+            return list(sequenced(self._rows(f"{_SELECT} WHERE session = %s ORDER BY event_id", (session,))))
         query = f"{_SELECT} WHERE session = %s AND seq < %s ORDER BY event_id"
-        return _sequenced(self._rows(query, (session, before)))
+        return list(sequenced(self._rows(query, (session, before))))
 
     def events_from(self, session: int, event_id: int) -> list[EventMsg]:
         query = f"{_SELECT} WHERE session = %s AND event_id >= %s ORDER BY event_id"
-        return [record.event for _, record in _sequenced(self._rows(query, (session, event_id)))]
+        return [record.event for _, record in sequenced(self._rows(query, (session, event_id)))]
 
     def reserve_session(self) -> int:
         (session,) = self._rows("SELECT nextval('session_ids')")[0]
@@ -217,24 +216,21 @@ class PostgresLog:
         return [int(r[0]) for r in rows]
 
     def rebuild_lineage(self) -> None:
-        like = " OR ".join("body LIKE %s" for _ in LINEAGE_KINDS)
-        rows = self._rows(f"{_SELECT} WHERE {like} ORDER BY seq", [f'{{"{kind}":%' for kind in LINEAGE_KINDS])
+        like, patterns = lineage_filter("%s")
+        rows = self._rows(f"{_SELECT} WHERE {like} ORDER BY seq", patterns)
 
         def write(db: Any) -> None:
             with db.transaction():
                 db.execute("DELETE FROM lineage")
-                for _, record in _sequenced(rows):
-                    _move_lineage(db, record)
+                for _, record in sequenced(rows):
+                    move_lineage(db, record, _LINEAGE_SQL)
 
         self.run(write)
 
     def append(self, records: Sequence[Record]) -> None:
         if not records:
             return
-        rows = [
-            (r.session, r.event.event_id, r.event.epoch, r.event.ts_unix_ms, jsoncodec.dumps(r.event.body, EventBody))
-            for r in records
-        ]
+        rows = [event_row(r) for r in records]
         sessions = {r.session for r in records}
         started = {r.session for r in records if isinstance(r.event.body, STARTS)}
         # a fork changes its parent's children too
@@ -251,7 +247,7 @@ class PostgresLog:
                         rows,
                     )
                 for record in records:
-                    _move_lineage(db, record)
+                    move_lineage(db, record, _LINEAGE_SQL)
                 # ids that came from elsewhere (a reference log imported) are never handed out again
                 if any(isinstance(r.event.body, EventBody.Created) for r in records):
                     top = max(r.session for r in records)
@@ -305,18 +301,6 @@ class PostgresLog:
         except Exception as e:  # the store is away: the leases run out by themselves
             logger.warning("could not release the session leases: %s", e)
         self._pool.close()
-
-
-def _sequenced(rows: list[tuple[Any, ...]]) -> list[tuple[int, Record]]:
-    return [
-        (int(seq), Record(int(session), EventMsg(int(event_id), int(epoch), int(ts), jsoncodec.loads(body, EventBody))))
-        for session, event_id, epoch, ts, body, seq in rows
-    ]
-
-
-def _move_lineage(db: Any, record: Record) -> None:
-    for change in lineage_changes(record):
-        db.execute(_LINEAGE_SQL[type(change)], vars(change))
 
 
 def open_log(url: str, address: str, timing: LeaseTiming, daemon: str) -> PostgresLog:

@@ -51,6 +51,9 @@ class SessionStore:
         self.table = SessionTable()
         self.views: dict[int, SessionState] = {}  # on a shared log: sessions read, not served here
         self.on_commit: Callable[[int, list[EventMsg]], None] = lambda session, events: None  # what the store writes
+        if self.log.leases is not None:
+            # a lost lease's sessions are replayed when next used; their runs end at their next commit
+            self.log.leases.on_lost = self.forget
         self.lock = threading.RLock()
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
@@ -93,8 +96,7 @@ class SessionStore:
         if self.leases is None:
             return self.get(session_id)
         with self.lock:
-            state = self.table.sessions.get(session_id)
-            return state if state is not None else self._viewed([session_id]).get(session_id)
+            return self._viewed([session_id]).get(session_id)
 
     def _viewed(self, session_ids: Sequence[int]) -> dict[int, SessionState]:
         """Sessions to read: those served here as they are, the others from `views`, replayed when

@@ -24,10 +24,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..protocol import jsoncodec
-from ..protocol.schema import EventBody, EventMsg
+from ..protocol.schema import EventMsg
 from .leases import Leases
-from .log import LINEAGE_KINDS, Parent, Pin, Record, Rerooted, StoreLocked, lineage_changes
+from .log import Parent, Pin, Record, Rerooted, StoreLocked, event_row, lineage_filter, move_lineage, sequenced
 
 SCHEMA_VERSION = 2  # 2 added `lineage`
 
@@ -112,8 +111,7 @@ class SqliteLog:
             yield record
 
     def _sequenced(self, query: str, *params: object) -> Iterator[tuple[int, Record]]:
-        for session, event_id, epoch, ts, body, seq in self._db.execute(query, params):
-            yield seq, Record(session, EventMsg(event_id, epoch, ts, jsoncodec.loads(body, EventBody)))
+        return sequenced(self._db.execute(query, params))
 
     def last_session(self) -> int:
         """The highest session id the log holds, 0 when it holds none."""
@@ -145,28 +143,25 @@ class SqliteLog:
 
     def rebuild_lineage(self) -> None:
         """Derive `lineage` again from the records that move it."""
-        like = " OR ".join("body LIKE ?" for _ in LINEAGE_KINDS)
+        like, patterns = lineage_filter("?")
         query = f"SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events WHERE {like} ORDER BY seq"
-        records = list(self._records(query, *(f'{{"{kind}":%' for kind in LINEAGE_KINDS)))
+        records = list(self._records(query, *patterns))
         with self._transaction() as db:
             db.execute("DELETE FROM lineage")
             for record in records:
-                _move_lineage(db, record)
+                move_lineage(db, record, _LINEAGE_SQL)
 
     def append(self, records: Sequence[Record]) -> None:
         """Write records in one transaction; durable on disk when this returns."""
         if not records:
             return
-        rows = [
-            (r.session, r.event.event_id, r.event.epoch, r.event.ts_unix_ms, jsoncodec.dumps(r.event.body, EventBody))
-            for r in records
-        ]
+        rows = [event_row(r) for r in records]
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO events (session, event_id, epoch, ts_unix_ms, body) VALUES (?, ?, ?, ?, ?)", rows
             )
             for record in records:
-                _move_lineage(db, record)
+                move_lineage(db, record, _LINEAGE_SQL)
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -190,12 +185,6 @@ _LINEAGE_SQL = {
     Rerooted: "UPDATE lineage SET parent = NULL WHERE session = :session",
     Pin: "UPDATE lineage SET pin_deadline_unix_ms = :deadline_unix_ms WHERE session = :session",
 }
-
-
-def _move_lineage(db: sqlite3.Connection, record: Record) -> None:
-    """What one record changes in `lineage`."""
-    for change in lineage_changes(record):
-        db.execute(_LINEAGE_SQL[type(change)], vars(change))
 
 
 def _take_lock(path: Path, wait_s: float = 3.0) -> object:
