@@ -36,13 +36,20 @@ class FakeContext:
     it, as the engine does, and the slot loses the rows that did not stand."""
 
     def __init__(
-        self, sequences: int, window: int = 256, batch: int = 512, delay: float = 0.0, model: object = _next
+        self,
+        sequences: int,
+        window: int = 256,
+        batch: int = 512,
+        delay: float = 0.0,
+        model: object = _next,
+        position_delay: float = 0.0,
     ) -> None:
+        """`delay` is a decode's fixed cost, `position_delay` what each position of its batch adds."""
         self.model = model
         self.shape = ContextShape(window, sequences, batch, 1)
         self.end_of_generation = np.eye(1, VOCAB, 0, dtype=bool)[0]  # token 0 ends a turn; draws never pick it
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
-        self.delay = delay
+        self.delay, self.position_delay = delay, position_delay
         self.batches: list[set[int]] = []
         self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
 
@@ -51,7 +58,7 @@ class FakeContext:
         return bool(self.copying)
 
     def step(self, step: Step) -> list[list[int]]:
-        time.sleep(self.delay)
+        time.sleep(self.delay + self.position_delay * len(step.tokens))
         self.copying.clear()
         self.batches.append({int(s) for s in step.seqs})
         drawn: list[list[int]] = []
@@ -424,9 +431,12 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
         window.stop()
 
 
-def speculating(mode: str, model: object, *, exact: bool = True, delay: float = 0.0) -> Scheduler:
+def speculating(
+    mode: str, model: object, *, exact: bool = True, delay: float = 0.0, position_delay: float = 0.0
+) -> Scheduler:
     settings = SpecSettings(mode, draft_tokens=4, adaptive=True, min_speedup=1.08, exact=exact)
-    scheduler = Scheduler(FakeContext(sequences=4, window=512, delay=delay, model=model), lanes=2, window=512)
+    context = FakeContext(sequences=4, window=512, delay=delay, model=model, position_delay=position_delay)
+    scheduler = Scheduler(context, lanes=2, window=512)
     scheduler.speculation = settings
     scheduler.gate = SpecGate(settings.min_speedup) if mode == "auto" else None
     return scheduler
@@ -502,7 +512,9 @@ def test_the_gate_keeps_drafts_only_where_they_pay() -> None:
 
 def test_auto_stops_drafting_where_drafts_are_not_taken() -> None:
     prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4]]
-    scheduler = speculating("auto", _next, delay=0.001)
+    # drafted positions cost decode time, as they do in llama.cpp: drafts that are never taken are a
+    # clear loss, whatever the machine's timer noise
+    scheduler = speculating("auto", _next, delay=0.001, position_delay=0.001)
     out = generate_on(scheduler, prompts, 400)
     assert out == generate_on(Scheduler(FakeContext(sequences=4, window=512), lanes=2, window=512), prompts, 400)
     assert scheduler.gate is not None
