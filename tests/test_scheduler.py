@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from superfluid.engine.llama import ContextShape
-from superfluid.engine.local import Step
+from superfluid.engine.local import LocalEngine, Step
+from superfluid.engine.sampling import splitmix64
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
-from superfluid.scheduler.speculate import HOLD_STEPS, PROBE_STEPS, PromptLookup, SpecGate, SpecProbe, SpecSettings
+from superfluid.scheduler.speculate import HOLD_STEPS, PROBE_STEPS, SpecGate, SpecProbe, SpecSettings
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -24,84 +26,48 @@ def _next(held: list[int]) -> int:
     return 1 + (sum(held) * 31 + len(held)) % (VOCAB - 1)
 
 
+def _noise(held: list[int]) -> int:
+    """A model whose tokens follow their positions only, scrambled: what prompt lookup never drafts well."""
+    return 1 + splitmix64(len(held)) % (VOCAB - 1)
+
+
 def _cycle(held: list[int]) -> int:
     """A model that repeats the stream's token 7 places back: what prompt lookup drafts well."""
     return held[-7] if len(held) >= 7 else 1 + len(held)
 
 
-class FakeContext:
-    """An engine whose slots hold token lists; each greedy draw is a pure function of the slot's whole content.
-
-    A draw that verifies a draft takes each drafted row while its token is the one drawn before
-    it, as the engine does, and the slot loses the rows that did not stand."""
+class FakeLlama:
+    """A llama.cpp context whose slots hold token lists, checked at every decode: each row's logits pick
+    a pure function of its slot's whole content (`rule`)."""
 
     def __init__(
-        self,
-        sequences: int,
-        window: int = 256,
-        batch: int = 512,
-        delay: float = 0.0,
-        model: object = _next,
-        position_delay: float = 0.0,
+        self, sequences: int, window: int, batch: int, delay: float, rule: object, position_delay: float
     ) -> None:
-        """`delay` is a decode's fixed cost, `position_delay` what each position of its batch adds."""
-        self.model = model
+        self.rule = rule
         self.shape = ContextShape(window, sequences, batch, 1)
-        self.end_of_generation = np.eye(1, VOCAB, 0, dtype=bool)[0]  # token 0 ends a turn; draws never pick it
+        # token 0 ends a turn; the rules never pick it
+        self.model = SimpleNamespace(end_of_generation=np.eye(1, VOCAB, 0, dtype=bool)[0])
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay, self.position_delay = delay, position_delay
-        self.batches: list[set[int]] = []
+        self.batches: list[set[int]] = []  # the slots of each decode
         self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
 
     @property
     def copy_pending(self) -> bool:
         return bool(self.copying)
 
-    def step(self, step: Step) -> list[list[int]]:
-        time.sleep(self.delay + self.position_delay * len(step.tokens))
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
+        time.sleep(self.delay + self.position_delay * len(tokens))
         self.copying.clear()
-        self.batches.append({int(s) for s in step.seqs})
-        drawn: list[list[int]] = []
-        rows: list[tuple[int, int]] = []  # (seq, what the row's draw would pick), by draw
-        for token, position, seq, wanted in zip(step.tokens, step.positions, step.seqs, step.want, strict=True):
+        self.batches.append({int(s) for s in seqs})
+        rows = []
+        for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
             held = self.slots[int(seq)]
             assert position == len(held), f"slot {seq} holds {len(held)} positions, decode wrote at {position}"
             held.append(int(token))
             if wanted:
-                draw = step.draws[len(rows)]
-                assert draw.position == len(held), "a draw is keyed by its token's position"
-                rows.append((int(seq), self.model(held)))  # type: ignore[operator]
-        tokens = [int(t) for t, w in zip(step.tokens, step.want, strict=True) if w]
-        for i, draw in enumerate(step.draws):
-            if len(drawn) > i:
-                continue
-            seq, pick = rows[i]
-            run = [pick]
-            for j in range(1, draw.verify + 1):
-                if run[-1] != tokens[i + j]:
-                    break
-                run.append(rows[i + j][1])
-            if draw.verify:
-                del self.slots[seq][draw.position + len(run) - 1 :]  # the drafts that did not stand
-            held = self.slots[seq]
-            while len(run) < draw.run:
-                held.append(run[-1])  # decoded in the same call, as a run in the engine is
-                run.append(self.model(held))  # type: ignore[operator]
-            drawn.append(run)
-            drawn += [[] for _ in range(draw.verify)]
-        return drawn
-
-    def open_grammar(self, gbnf: str) -> int:
-        raise AssertionError("no grammar in these tests")
-
-    def close_grammar(self, handle: int) -> None:
-        pass
-
-    def restart(self) -> None:
-        pass
-
-    def abandon_restart(self) -> None:
-        pass
+                rows.append(np.eye(1, VOCAB, self.rule(held), dtype=np.float32)[0])  # type: ignore[operator]
+        return np.array(rows, dtype=np.float32).reshape(len(rows), VOCAB)
 
     def copy(self, source: int, target: int, length: int) -> None:
         self.slots[target] = list(self.slots[source][:length])
@@ -118,6 +84,38 @@ class FakeContext:
         assert seq not in self.copying, f"slot {seq} overwritten before its copy ran"
         assert not self.slots[seq], "a restore goes into an empty slot"
         self.slots[seq] = json.loads(data)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine(LocalEngine):
+    """The engine's own step loop (runs, drafts and all) over a `FakeLlama`; it counts its calls.
+
+    `delay` is a decode's fixed cost, `position_delay` what each position of its batch adds."""
+
+    def __init__(
+        self,
+        sequences: int,
+        window: int = 256,
+        batch: int = 512,
+        delay: float = 0.0,
+        model: object = _next,
+        position_delay: float = 0.0,
+    ) -> None:
+        super().__init__(FakeLlama(sequences, window, batch, delay, model, position_delay))  # type: ignore[arg-type]
+        self.llama: FakeLlama = self.context  # type: ignore[assignment]
+        self.calls = 0
+
+    def step(self, step: Step) -> list[list[int]]:
+        self.calls += 1
+        return super().step(step)
+
+    def restart(self) -> None:
+        pass
+
+    def abandon_restart(self) -> None:
+        pass
 
 
 class Collect:
@@ -145,7 +143,7 @@ def run(scheduler: Scheduler, prompt: list[int], max_tokens: int = 6) -> tuple[l
 
 def alone(prompt: list[int], max_tokens: int) -> list[int]:
     """What a prompt generates on a scheduler of its own."""
-    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024)
+    scheduler = Scheduler(FakeEngine(sequences=2), lanes=1, window=1024)
     scheduler.start()
     try:
         return run(scheduler, prompt, max_tokens)[0]
@@ -172,12 +170,12 @@ def decoding(scheduler: Scheduler, prompt: list[int], qos: int = 2) -> tuple[Job
 
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
     shared = list(range(100, 140))
-    alone = Scheduler(FakeContext(sequences=4), lanes=1, window=256)
+    alone = Scheduler(FakeEngine(sequences=4), lanes=1, window=256)
     alone.start()
     expected, _ = run(alone, [*shared, 9, 9])
     alone.stop()
 
-    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=256)
+    scheduler = Scheduler(FakeEngine(sequences=2), lanes=1, window=256)
     scheduler.start()
     try:
         run(scheduler, [*shared, 8, 8])  # leaves slot A holding the shared part and more
@@ -189,7 +187,7 @@ def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
 
 
 def test_continuations_take_over_their_entry_and_stay_warm() -> None:
-    scheduler = Scheduler(FakeContext(sequences=3), lanes=1, window=256)
+    scheduler = Scheduler(FakeEngine(sequences=3), lanes=1, window=256)
     scheduler.start()
     try:
         first, warm = run(scheduler, [1, 2, 3], max_tokens=4)
@@ -197,7 +195,7 @@ def test_continuations_take_over_their_entry_and_stay_warm() -> None:
         stream = [1, 2, 3, *first]
         rest, warm = run(scheduler, stream, max_tokens=4)
         assert warm == len(stream) - 1, "everything but the last sampled token was cached"
-        uncut = Scheduler(FakeContext(sequences=3), lanes=1, window=256)
+        uncut = Scheduler(FakeEngine(sequences=3), lanes=1, window=256)
         uncut.start()
         whole, _ = run(uncut, [1, 2, 3], max_tokens=8)
         uncut.stop()
@@ -207,7 +205,7 @@ def test_continuations_take_over_their_entry_and_stay_warm() -> None:
 
 
 def test_the_window_ends_a_generation_with_length() -> None:
-    scheduler = Scheduler(FakeContext(sequences=2, window=16), lanes=1, window=16)
+    scheduler = Scheduler(FakeEngine(sequences=2, window=16), lanes=1, window=16)
     scheduler.start()
     try:
         sink = Collect()
@@ -219,7 +217,7 @@ def test_the_window_ends_a_generation_with_length() -> None:
 
 
 def test_an_interactive_job_preempts_background_work_which_then_resumes_exactly() -> None:
-    context = FakeContext(sequences=4, delay=0.002)
+    context = FakeEngine(sequences=4, delay=0.002)
     scheduler = Scheduler(context, lanes=1, window=1024)
     scheduler.start()
     try:
@@ -238,7 +236,7 @@ def test_an_interactive_job_preempts_background_work_which_then_resumes_exactly(
 
 
 def test_a_burst_sharing_a_prefix_prefills_it_once() -> None:
-    context = FakeContext(sequences=8, delay=0.002, batch=512)
+    context = FakeEngine(sequences=8, delay=0.002, batch=512)
     scheduler = Scheduler(context, lanes=4, window=1024)
     scheduler.start()
     shared = list(range(100, 700))
@@ -256,7 +254,7 @@ def test_a_burst_sharing_a_prefix_prefills_it_once() -> None:
 
 
 def test_evicted_prefixes_come_back_from_host_memory() -> None:
-    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024, host_cache_bytes=1 << 20)
+    scheduler = Scheduler(FakeEngine(sequences=2), lanes=1, window=1024, host_cache_bytes=1 << 20)
     scheduler.start()
     try:
         document = list(range(200, 300))
@@ -273,7 +271,7 @@ def test_evicted_prefixes_come_back_from_host_memory() -> None:
 
 
 def test_pinned_prefixes_are_evicted_last() -> None:
-    scheduler = Scheduler(FakeContext(sequences=2), lanes=1, window=1024)
+    scheduler = Scheduler(FakeEngine(sequences=2), lanes=1, window=1024)
     scheduler.start()
     try:
         pinned = list(range(200, 240))
@@ -288,7 +286,7 @@ def test_pinned_prefixes_are_evicted_last() -> None:
 
 
 def test_waiting_work_ages_into_a_better_class() -> None:
-    scheduler = Scheduler(FakeContext(sequences=3, delay=0.0005, window=2048), lanes=1, window=2048)
+    scheduler = Scheduler(FakeEngine(sequences=3, delay=0.0005, window=2048), lanes=1, window=2048)
     scheduler.start()
     try:
         _, running = started(scheduler, [1, 2], STARVATION_STEPS + 40)
@@ -304,20 +302,20 @@ def test_waiting_work_ages_into_a_better_class() -> None:
 
 
 def test_batch_invariant_lanes_run_alone() -> None:
-    context = FakeContext(sequences=4, delay=0.001)
+    context = FakeEngine(sequences=4, delay=0.001)
     scheduler = Scheduler(context, lanes=2, window=1024)
     scheduler.start()
     try:
         _, a = started(scheduler, [1, 2, 3], 20, batch_invariant=True)
         _, b = started(scheduler, [4, 5, 6], 20)
         assert a.done.wait(10) and b.done.wait(10)
-        assert all(len(batch) == 1 for batch in context.batches)
+        assert all(len(batch) == 1 for batch in context.llama.batches)
     finally:
         scheduler.stop()
 
 
 def test_the_background_rate_slows_agent_and_background_lanes() -> None:
-    context = FakeContext(sequences=2)
+    context = FakeEngine(sequences=2)
     scheduler = Scheduler(context, lanes=1, window=1024)
     scheduler.background_divisor = 4
     scheduler.start()
@@ -329,7 +327,7 @@ def test_the_background_rate_slows_agent_and_background_lanes() -> None:
 
 
 def test_a_few_shared_tokens_are_prefilled_not_copied() -> None:
-    context = FakeContext(sequences=4)
+    context = FakeEngine(sequences=4)
     scheduler = Scheduler(context, lanes=1, window=256)
     scheduler.start()
     try:
@@ -341,7 +339,7 @@ def test_a_few_shared_tokens_are_prefilled_not_copied() -> None:
 
 
 def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
-    context = FakeContext(sequences=6, delay=0.002, batch=64, window=4096)
+    context = FakeEngine(sequences=6, delay=0.002, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=2, window=4096)
     scheduler.start()
     try:
@@ -352,7 +350,7 @@ def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
         assert quick.done.wait(10)
         assert not any(sink.done.is_set() for _, sink in decoding), "the short job did not wait for a lane"
         long_prompts = [started(scheduler, list(range(1000 + q, 2500 + q)), 2) for q in range(2)]
-        while not any(context.slots[lane.seq] for lane in scheduler.lanes if lane.job is long_prompts[0][0]):
+        while not any(context.llama.slots[lane.seq] for lane in scheduler.lanes if lane.job is long_prompts[0][0]):
             time.sleep(0.001)
         _other, other = started(scheduler, [9, 9, 9], 3)
         assert other.done.wait(10)
@@ -365,18 +363,18 @@ def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
 
 
 def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
-    context = FakeContext(sequences=6, delay=0.001, batch=64, window=4096)
+    context = FakeEngine(sequences=6, delay=0.001, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=3, window=4096)
     scheduler.start()
     try:
         agent, agent_seq = decoding(scheduler, [5, 6, 7])
         chat, chat_seq = decoding(scheduler, [8, 9], qos=0)
-        since = len(context.batches)
+        since = len(context.llama.batches)
         long_prompt, long_out = started(scheduler, list(range(100, 1300)), 2)
         while not long_out.out:
             time.sleep(0.001)
         long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is long_prompt)
-        prefilling = [batch for batch in context.batches[since:] if long_seq in batch]
+        prefilling = [batch for batch in context.llama.batches[since:] if long_seq in batch]
         assert len(prefilling) >= 16, "the prompt took several steps to prefill"
         assert all(chat_seq in batch for batch in prefilling), "an interactive lane decodes every step"
         agent_steps = sum(agent_seq in batch for batch in prefilling)
@@ -388,15 +386,15 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
 
 
 def test_a_cache_warm_up_does_not_slow_decoding_agents() -> None:
-    context = FakeContext(sequences=4, delay=0.001, batch=64, window=4096)
+    context = FakeEngine(sequences=4, delay=0.001, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=2, window=4096)
     scheduler.start()
     try:
         agent, agent_seq = decoding(scheduler, [5, 6, 7])
-        since = len(context.batches)
+        since = len(context.llama.batches)
         _warm, warmed = started(scheduler, list(range(100, 1300)), 0, prefill_only=True)
         assert warmed.done.wait(30)
-        warming = [batch for batch in context.batches[since:] if batch - {agent_seq}]
+        warming = [batch for batch in context.llama.batches[since:] if batch - {agent_seq}]
         assert len(warming) >= 16, "the warm-up took several steps"
         assert all(agent_seq in batch for batch in warming), "a warm-up waits for no first token"
         scheduler.cancel(agent)
@@ -408,7 +406,7 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prompt = list(range(1, 20))
-    context = FakeContext(sequences=2, delay=0.002)
+    context = FakeEngine(sequences=2, delay=0.002)
     scheduler = Scheduler(context, lanes=1, window=1024)
     scheduler.start()
     try:
@@ -416,11 +414,11 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
     finally:
         scheduler.stop()
     assert len(out) == 61, "a run never draws past max_tokens"
-    assert len(context.batches) < 61 / 2, f"{len(context.batches)} engine calls for 61 tokens"
+    assert context.calls < 61 / 2, f"{context.calls} engine calls for 61 tokens"
     monkeypatch.setattr(scheduler_module, "MAX_RUN", 1)
     assert alone(prompt, 61) == out, "a run draws what one call per token draws"
     monkeypatch.setattr(scheduler_module, "MAX_RUN", 8)
-    window = Scheduler(FakeContext(sequences=2, window=64), lanes=1, window=64)
+    window = Scheduler(FakeEngine(sequences=2, window=64), lanes=1, window=64)
     window.start()
     try:
         sink = Collect()
@@ -435,7 +433,7 @@ def speculating(
     mode: str, model: object, *, exact: bool = True, delay: float = 0.0, position_delay: float = 0.0
 ) -> Scheduler:
     settings = SpecSettings(mode, draft_tokens=4, adaptive=True, min_speedup=1.08, exact=exact)
-    context = FakeContext(sequences=4, window=512, delay=delay, model=model, position_delay=position_delay)
+    context = FakeEngine(sequences=4, window=512, delay=delay, model=model, position_delay=position_delay)
     scheduler = Scheduler(context, lanes=2, window=512)
     scheduler.speculation = settings
     scheduler.gate = SpecGate(settings.min_speedup) if mode == "auto" else None
@@ -455,9 +453,9 @@ def generate_on(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int,
 
 def test_drafts_verified_in_the_decode_give_the_tokens_of_plain_decoding() -> None:
     prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4], [8, 6, 2, 5, 11, 13, 8, 6]]
-    for model in (_cycle, _next):
+    for model in (_cycle, _next, _noise):
         plain = generate_on(
-            Scheduler(FakeContext(sequences=4, window=512, model=model), lanes=2, window=512), prompts, 60
+            Scheduler(FakeEngine(sequences=4, window=512, model=model), lanes=2, window=512), prompts, 60
         )
         drafting = speculating("prompt-lookup", model)
         spoken = generate_on(drafting, prompts, 60)
@@ -466,7 +464,8 @@ def test_drafts_verified_in_the_decode_give_the_tokens_of_plain_decoding() -> No
         stats = drafting.stats
         if model is _cycle:
             assert stats.spec_accepted > 0.8 * stats.spec_proposed > 0, "a repeating stream is drafted and taken"
-            assert stats.steps < 60, "accepted drafts save decodes"
+            # a run drafts before each of its decodes, not once a call: five tokens a decode at best
+            assert stats.steps < 60 / 2, f"{stats.steps} decodes for 60 tokens: accepted drafts save decodes"
 
 
 def test_a_batch_invariant_lane_drafts_only_on_exact_kernels() -> None:
@@ -477,18 +476,6 @@ def test_a_batch_invariant_lane_drafts_only_on_exact_kernels() -> None:
     exact = speculating("prompt-lookup", _cycle, exact=True)
     generate_on(exact, prompts, 30, batch_invariant=True)
     assert exact.stats.spec_proposed > 0
-
-
-def test_prompt_lookup_drafts_what_followed_the_last_earlier_occurrence() -> None:
-    lookup = PromptLookup()
-    assert lookup.draft([1, 2, 3, 4, 5, 1, 2], 3, 4) == [4, 5, 1, 2], "after the trigram 1 2 3"
-    assert PromptLookup().draft([7, 8, 9, 4, 8], 9, 3) == [4, 8, 9], "after the bigram 8 9, running into the end"
-    assert PromptLookup().draft([1, 2, 3, 4], 5, 4) == [], "nothing to follow"
-    grown = PromptLookup()
-    stream = [5, 6, 7, 8]
-    assert grown.draft(stream, 9, 2) == []
-    stream += [9, 5, 6]
-    assert grown.draft(stream, 7, 2) == [8, 9], "the index grows with the stream"
 
 
 def test_the_gate_keeps_drafts_only_where_they_pay() -> None:
@@ -514,9 +501,10 @@ def test_auto_stops_drafting_where_drafts_are_not_taken() -> None:
     prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4]]
     # drafted positions cost decode time, as they do in llama.cpp: drafts that are never taken are a
     # clear loss, whatever the machine's timer noise
-    scheduler = speculating("auto", _next, delay=0.001, position_delay=0.001)
+    scheduler = speculating("auto", _noise, delay=0.001, position_delay=0.001)
     out = generate_on(scheduler, prompts, 400)
-    assert out == generate_on(Scheduler(FakeContext(sequences=4, window=512), lanes=2, window=512), prompts, 400)
+    plain = Scheduler(FakeEngine(sequences=4, window=512, model=_noise), lanes=2, window=512)
+    assert out == generate_on(plain, prompts, 400)
     assert scheduler.gate is not None
     probe = scheduler.gate.probe(1)
     assert probe.phase == "hold" and not probe.drafting

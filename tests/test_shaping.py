@@ -59,23 +59,29 @@ def test_log_softmax_row_lists_the_best_first_and_never_above_zero() -> None:
 
 
 def test_shaping_and_drawn_logprobs_cross_the_channel_whole() -> None:
+    draw = Draw(GenParams(0.0, 1.0, 0.0, 0, 0), 1)
     shaping = Shaping(((4, -100.0), (9, 0.25)), 0.5, -0.25, 1.125, 3)
     payload = wire.encode_shaping(shaping, [7, 8, 9])
     assert wire.decode_shaping(memoryview(payload)) == (shaping, [7, 8, 9])
     rows = {1: LogprobRow(5, -0.5, ((5, -0.5), (2, -1.25))), 2: LogprobRow(6, -2.0, ())}
-    tokens, back = wire.decode_drawn(memoryview(wire.encode_drawn([[3, 4, 8], [5], [6]], rows)), 3)
-    assert tokens == [[3, 4, 8], [5], [6]] and back == rows
-    assert wire.decode_drawn(memoryview(wire.encode_drawn([[3]], {})), 1) == ([[3]], {})
-    assert wire.decode_drawn(memoryview(wire.encode_drawn([[3, 9], [], [1]], {})), 3) == ([[3, 9], [], [1]], {})
+    for drawn, logprobs, spec, decodes in (
+        ([[3, 4, 8], [5], [6]], rows, {0: (4, 2)}, 3),
+        ([[3]], {}, {}, 1),
+        ([[3, 9], [], [1]], {}, {0: (1, 1), 2: (15, 0)}, 2),
+    ):
+        sent = Step(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [draw] * len(drawn), logprobs, spec, decodes)
+        got = Step(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [draw] * len(drawn))
+        assert wire.decode_drawn(memoryview(wire.encode_drawn(sent, drawn)), got) == drawn
+        assert (got.logprobs, got.spec, got.decodes) == (logprobs, spec, decodes)
     step = Step(
         np.arange(2, dtype=np.int32),
         np.arange(2, dtype=np.int32),
         np.zeros(2, dtype=np.int32),
         np.array([0, 1], dtype=np.int8),
-        [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5, 6)],
+        [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5, 6, 12, 4, 7, False)],
     )
     back = wire.decode_step(memoryview(wire.encode_step(step)))
-    assert back.draws == step.draws, "a draw names its shaping and its run"
+    assert back.draws == step.draws, "a draw names its shaping, its run, its limit and its drafter"
 
 
 def test_logprob_text_joins_to_the_text_and_stops_where_it_was_cut() -> None:

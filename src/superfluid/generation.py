@@ -224,11 +224,9 @@ class GenerationRun:
 
     def conclude(self) -> None:
         error = (self.error or "generation failed") if self.finish == FINISH_ERROR else None
-        spec = self.job.spec
-        drafts = (spec.proposed, spec.accepted) if spec is not None else (0, 0)
-        self.listener.put(
-            Done(list(self.delivered), self.job.generated, self.finish or 0, self.job.warm_prefix, error, drafts)
-        )
+        job = self.job
+        drafts = (job.spec_proposed, job.spec_accepted)
+        self.listener.put(Done(list(self.delivered), job.generated, self.finish or 0, job.warm_prefix, error, drafts))
 
 
 def _tool_record(call_text: str) -> EventBody:

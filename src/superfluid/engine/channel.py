@@ -220,8 +220,7 @@ class WorkerEngine:
         step.first_decode_s, inside = struct.unpack_from("<dd", reply, len(reply) - 16)
         self.step_seconds += time.perf_counter() - started
         self.worker_seconds += inside
-        drawn, step.logprobs = wire.decode_drawn(reply[:-16], len(step.draws))
-        return drawn
+        return wire.decode_drawn(reply[:-16], step)
 
     def copy(self, source: int, target: int, length: int) -> None:
         (pending,) = wire.read_ints(self._call(wire.COPY, wire.ints(source, target, length)), 1)
@@ -268,3 +267,10 @@ class WorkerEngine:
 
     def close_shaping(self, handle: int) -> None:
         self._call(wire.CLOSE_SHAPING, wire.ints(handle))
+
+    def open_drafter(self, stream: list[int]) -> int:
+        (handle,) = wire.read_ints(self._call(wire.OPEN_DRAFTER, np.asarray(stream, dtype="<i4").tobytes()), 1)
+        return handle
+
+    def close_drafter(self, handle: int) -> None:
+        self._call(wire.CLOSE_DRAFTER, wire.ints(handle))

@@ -3,12 +3,18 @@
 A `Step` is one llama_decode: token ids, positions and sequence ids, and for each lane
 whose last token it carries, a `Draw` saying how to pick the next token (sampling
 parameters, the stream position its random draw is keyed by, whether end-of-generation is
-banned, the handles of its grammar and of its `Shaping`, and how long a run it may draw:
-a lane whose run is longer than one decodes its drawn token at once, in a batch of the
-lanes still running, and draws again, so a few tokens cost one call). `LocalEngine` runs steps in
-this process: decode, then sample each wanted row, shaped (bias, penalties) and masked by the
-lane's grammar, which then accepts the token; a lane whose shaping asks for log probabilities
-gets them back in the step's `logprobs`.
+banned, the handles of its grammar, its `Shaping` and its drafter, and how many decodes and
+tokens it may take: a lane whose run is longer than one decodes its drawn token at once, in
+a batch of the lanes still running, and draws again, so a few tokens cost one call).
+`LocalEngine` runs steps in this process: decode, then sample each wanted row, shaped (bias,
+penalties) and masked by the lane's grammar, which then accepts the token; a lane whose
+shaping asks for log probabilities gets them back in the step's `logprobs`.
+
+A lane with a drafter (`drafting.py`) may carry a draft into each of its decodes: the tokens
+prompt lookup expects next, one position each, right after its input. Each drafted position's
+row is drawn as the lane would draw it anyway (the same sampler, the same position-keyed
+draw), the draft stands up to the first token that differs from what was drawn before it, and
+the lane's KV loses the rest; so drafts change the number of decodes, never a token.
 The worker process (`worker.py`) serves the same calls over its channel (`channel.py`), so
 the scheduler never knows which one it drives. `embed` pools one input on a second context,
 called by the HTTP routes from their own threads, never by the scheduler.
@@ -25,6 +31,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from ..protocol.schema import GenParams
+from .drafting import Acceptance, Candidate, DecodeTimes, Match, PromptLookup, plan
 from .grammar import Grammar
 from .llama import ContextShape, EmbeddingContext, EngineError, KVFull, LlamaContext
 from .sampling import sample
@@ -39,20 +46,18 @@ class WorkerGone(EngineError):
 
 @dataclass(frozen=True)
 class Draw:
-    """How to pick one lane's next token."""
+    """How to pick one lane's next tokens."""
 
     params: GenParams
     position: int  # the stream position of the token drawn: its random draw is keyed by it
     ignore_eos: bool = False
     grammar: int = 0  # an `open_grammar` handle; 0 for none
     shaping: int = 0  # an `open_shaping` handle; 0 for none
-    # tokens it may draw in this call, each decoded before the next; an end of generation stops it (a
-    # verified draft's tokens count toward it, and may pass it: they come from one decode)
-    run: int = 1
-    # the next `verify` draws are rows of the same lane whose inputs are drafted tokens: each draft
-    # stands while it equals what the row before it drew, and this draw takes every token drawn so
-    # (theirs stay empty); the lane's KV loses the drafts that did not stand
-    verify: int = 0
+    run: int = 1  # decodes it may take part in during this call (a time budget); an end of generation stops it
+    limit: int = 1  # tokens it may draw in this call (its max_tokens and the window): drafts never pass it
+    drafter: int = 0  # an `open_drafter` handle; 0 for none. The drafter sees every input of the lane
+    draft: int = 0  # the longest draft each decode may carry; 0 for none
+    adaptive: bool = True  # drafts as long as pays (`drafting.plan`), else always the longest there is
 
 
 @dataclass
@@ -60,8 +65,10 @@ class Step:
     """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order.
 
     The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them (a
-    draw that asks for them runs one token), and `first_decode_s`, the time of the decode of
-    the step's own batch (what the runs after it take is not in it).
+    draw that asks for them runs one token), `spec` (by draw index: tokens drafted and those
+    that stood) for the draws that drafted, `decodes`, the llama_decode calls it made, and
+    `first_decode_s`, the time of the decode of the step's own batch (what the runs after it
+    take is not in it).
     """
 
     tokens: np.ndarray
@@ -70,6 +77,8 @@ class Step:
     want: np.ndarray
     draws: list[Draw]
     logprobs: dict[int, LogprobRow] = field(default_factory=dict)
+    spec: dict[int, tuple[int, int]] = field(default_factory=dict)
+    decodes: int = 0
     first_decode_s: float = 0.0
 
 
@@ -87,8 +96,7 @@ class Engine(Protocol):
     def copy_pending(self) -> bool: ...
 
     def step(self, step: Step) -> list[list[int]]:
-        """The tokens each draw drew, in order: one, up to its `run`, or for a draw that verifies
-        drafts the drafts that stood and the token after them (its drafted rows' lists are empty)."""
+        """The tokens each draw drew, in order: one, or up to its `limit` over up to `run` decodes."""
         ...
 
     def copy(self, source: int, target: int, length: int) -> None: ...
@@ -112,6 +120,12 @@ class Engine(Protocol):
 
     def close_shaping(self, handle: int) -> None: ...
 
+    def open_drafter(self, stream: list[int]) -> int:
+        """A drafter for one lane whose KV holds `stream`; it follows the lane's inputs from there."""
+        ...
+
+    def close_drafter(self, handle: int) -> None: ...
+
     def restart(self) -> None: ...
 
     def abandon_restart(self) -> None: ...
@@ -120,7 +134,7 @@ class Engine(Protocol):
 
 
 class LocalEngine:
-    """llama.cpp in this process: a context, and the grammars and shapings of the lanes that have one."""
+    """llama.cpp in this process: a context, and the grammars, shapings and drafters of the lanes that have one."""
 
     def __init__(self, context: LlamaContext) -> None:
         self.context = context
@@ -128,6 +142,9 @@ class LocalEngine:
         self.end_of_generation = context.model.end_of_generation
         self._grammars: dict[int, Grammar] = {}
         self._shapers: dict[int, Shaper] = {}
+        self._drafters: dict[int, PromptLookup] = {}
+        self.acceptance = Acceptance()
+        self.decode_times = DecodeTimes(context.shape.batch)
         self._handles = itertools.count(1)
         self._embedder: EmbeddingContext | None = None  # made on the first embedding asked for
         self._embedding = threading.Lock()  # one embedding at a time: requests come from several threads
@@ -137,53 +154,120 @@ class LocalEngine:
         return self.context.copy_pending
 
     def step(self, step: Step) -> list[list[int]]:
-        started = time.perf_counter()
-        logits = self.context.decode(step.tokens, step.positions, step.seqs, step.want)
-        step.first_decode_s = time.perf_counter() - started
-        drawn: list[list[int]] = []
-        rows = np.flatnonzero(step.want)  # the batch index of each draw's row
-        for i, (row, draw) in enumerate(zip(logits, step.draws, strict=True)):
-            if len(drawn) > i:
-                continue  # a drafted row, verified with its lead
-            drawn.append([self._pick(step, i, row, draw)])
-            if draw.verify:
-                drawn += self._verify(step, i, logits, rows, drawn[i])
-        seqs = step.seqs[step.want != 0]
-        running = [  # a verified draft may have drawn several already
-            i
-            for i, d in enumerate(step.draws)
-            if d.run > len(drawn[i]) > 0 and not self.end_of_generation[drawn[i][-1]]
-        ]
-        while running:
-            # the same decode the scheduler would send next: each running lane's last token, alone
-            tokens = np.array([drawn[i][-1] for i in running], dtype=np.int32)
-            positions = np.array([step.draws[i].position + len(drawn[i]) - 1 for i in running], dtype=np.int32)
+        draws = step.draws
+        drawn: list[list[int]] = [[] for _ in draws]
+        rows = np.flatnonzero(step.want)
+        lane_seq = [int(s) for s in step.seqs[rows]]  # by draw
+        batch = Batch(step.tokens, step.positions, step.seqs, step.want, rows)
+        lanes = list(range(len(draws)))  # the draws still drawing, in their rows' order
+        decode_only = bool(step.want.all())  # no prompt in the batch: its time is a decode's
+        while True:
+            drafts, matches = self._drafts(draws, lanes, batch, drawn)
             try:
-                logits = self.context.decode(tokens, positions, seqs[running], np.ones(len(running), dtype=np.int8))
+                logits, took, drafts = self._decode(batch, drafts)
             except KVFull:
-                break  # what was drawn stands; the scheduler decodes the last tokens when there is room
-            for i, row in zip(running, logits, strict=True):
-                draw = step.draws[i]
-                drawn[i].append(self._pick(step, i, row, replace(draw, position=draw.position + len(drawn[i]))))
-            running = [
-                i for i in running if len(drawn[i]) < step.draws[i].run and not self.end_of_generation[drawn[i][-1]]
+                if step.decodes:
+                    break  # what was drawn stands; the scheduler decodes the last tokens when there is room
+                raise
+            if not step.decodes:
+                step.first_decode_s = took
+            step.decodes += 1
+            if decode_only:
+                self.decode_times.add(len(batch.tokens) + sum(map(len, drafts)), took)
+            row = 0  # the logits rows: each lane's input, then its drafted positions
+            for k, i in enumerate(lanes):
+                draft = drafts[k]
+                stood = self._take(step, i, logits, row, draft, drawn[i])
+                row += 1 + len(draft)
+                match = matches[k]
+                if draft and match is not None:
+                    self._settle(draws[i].drafter, int(batch.positions[batch.rows[k]]), lane_seq[i], draft, stood)
+                    self.acceptance.record(match.agreed, len(draft), stood)
+                    tried, kept = step.spec.get(i, (0, 0))
+                    step.spec[i] = (tried + len(draft), kept + stood)
+            lanes = [
+                i
+                for i in lanes
+                if step.decodes < draws[i].run
+                and len(drawn[i]) < draws[i].limit
+                and not self.end_of_generation[drawn[i][-1]]
             ]
+            if not lanes:
+                break
+            # the next decode: each running lane's last token, as the scheduler would send it
+            batch = Batch.of_inputs(
+                [drawn[i][-1] for i in lanes],
+                [draws[i].position + len(drawn[i]) - 1 for i in lanes],
+                [lane_seq[i] for i in lanes],
+            )
+            decode_only = True
         return drawn
 
-    def _verify(self, step: Step, lead: int, logits: np.ndarray, rows: np.ndarray, picks: list[int]) -> list[list[int]]:
-        """Take the lead draw's drafts while each equals the token drawn before it, drawing the next
-        from its row; cut the drafts that did not stand from the lane's KV. The drafted rows' lists."""
-        count = step.draws[lead].verify
-        for j in range(1, count + 1):
-            drafted = int(step.tokens[rows[lead + j]])
-            if picks[-1] != drafted or self.end_of_generation[drafted]:
-                break
-            picks.append(self._pick(step, lead + j, logits[lead + j], step.draws[lead + j]))
-        kept = len(picks) - 1  # drafts that stood
-        if kept < count:
-            last = rows[lead]
-            self.context.truncate(int(step.seqs[last]), int(step.positions[last]) + 1 + kept)
-        return [[] for _ in range(count)]
+    def _drafts(
+        self, draws: list[Draw], lanes: list[int], batch: Batch, drawn: list[list[int]]
+    ) -> tuple[list[list[int]], list[Match | None]]:
+        """Each lane's draft for this decode (by its place in `lanes`), and the match it came from.
+
+        Every drafter first takes its lane's input, whether or not the lane drafts now: it must
+        see the whole stream."""
+        drafts: list[list[int]] = [[] for _ in lanes]
+        matches: list[Match | None] = [None] * len(lanes)
+        candidates: list[tuple[int, PromptLookup, Candidate]] = []
+        for k, i in enumerate(lanes):
+            draw = draws[i]
+            if not draw.drafter:
+                continue
+            lookup = _opened(self._drafters, draw.drafter, "drafter")
+            row = batch.rows[k]
+            lookup.feed(int(batch.positions[row]), int(batch.tokens[row]))
+            longest = min(draw.draft, draw.limit - len(drawn[i]) - 1)  # the drafts and the token after them
+            match = lookup.match() if longest > 0 else None
+            if match is not None:
+                candidates.append((k, lookup, Candidate(match, min(longest, lookup.available(match)), draw.adaptive)))
+        if candidates:
+            room = self.shape.batch - len(batch.tokens)
+            lengths = plan(
+                [c for _, _, c in candidates], len(lanes), len(batch.tokens), room, self.acceptance, self.decode_times
+            )
+            for (k, lookup, candidate), length in zip(candidates, lengths, strict=True):
+                if length:
+                    drafts[k] = lookup.draft(candidate.match, length)
+                    matches[k] = candidate.match
+        return drafts, matches
+
+    def _decode(self, batch: Batch, drafts: list[list[int]]) -> tuple[np.ndarray, float, list[list[int]]]:
+        """The logits rows of a decode of the batch with its drafts, its time, and the drafts it carried:
+        none when the KV has no room for them (KVFull when it has none for the batch itself)."""
+        try:
+            started = time.perf_counter()
+            logits = self.context.decode(*batch.with_drafts(drafts))
+            return logits, time.perf_counter() - started, drafts
+        except KVFull:
+            if not any(drafts):
+                raise
+        started = time.perf_counter()
+        logits = self.context.decode(batch.tokens, batch.positions, batch.seqs, batch.want)
+        return logits, time.perf_counter() - started, [[] for _ in drafts]
+
+    def _take(self, step: Step, i: int, logits: np.ndarray, row: int, draft: list[int], picks: list[int]) -> int:
+        """Draw from draw `i`'s row, then from each drafted row while the draft stands (each drafted token is
+        the one drawn before it); returns how many drafted tokens stood."""
+        draw = step.draws[i]
+        picks.append(self._pick(step, i, logits[row], replace(draw, position=draw.position + len(picks))))
+        for j, token in enumerate(draft):
+            if picks[-1] != token or self.end_of_generation[token]:
+                return j
+            picks.append(self._pick(step, i, logits[row + 1 + j], replace(draw, position=draw.position + len(picks))))
+        return len(draft)
+
+    def _settle(self, drafter: int, position: int, seq: int, draft: list[int], stood: int) -> None:
+        """After a draft behind the input at `position`: the lane's KV loses the drafted tokens that did
+        not stand, and its drafter takes those that did (they are inputs now)."""
+        if stood < len(draft):
+            self.context.truncate(seq, position + 1 + stood)
+        lookup = self._drafters[drafter]
+        for j in range(stood):
+            lookup.feed(position + 1 + j, draft[j])
 
     def _pick(self, step: Step, index: int, row: np.ndarray, draw: Draw) -> int:
         """The token one draw picks from its row, shaped; its log probabilities go into the step."""
@@ -196,8 +280,8 @@ class LocalEngine:
         token = self._draw(row, draw)
         shaper.accept(token)
         if raw is not None:
-            if draw.run > 1:
-                raise EngineError("a draw that asks for log probabilities runs one token")
+            if draw.limit > 1:
+                raise EngineError("a draw that asks for log probabilities draws one token")
             step.logprobs[index] = log_softmax_row(raw, token, asked)
         return token
 
@@ -253,6 +337,14 @@ class LocalEngine:
     def close_shaping(self, handle: int) -> None:
         self._shapers.pop(handle, None)
 
+    def open_drafter(self, stream: list[int]) -> int:
+        handle = next(self._handles)
+        self._drafters[handle] = PromptLookup(stream)
+        return handle
+
+    def close_drafter(self, handle: int) -> None:
+        self._drafters.pop(handle, None)
+
     def restart(self) -> None:
         """Nothing to restart in this process: llama.cpp failing here takes the daemon with it."""
 
@@ -266,6 +358,50 @@ class LocalEngine:
             if self._embedder is not None:
                 self._embedder.close()
         self.context.close()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A decode's inputs, and the row of each drawing lane's input (in the lanes' order)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seqs: np.ndarray
+    want: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of_inputs(cls, tokens: list[int], positions: list[int], seqs: list[int]) -> Batch:
+        """One input row per lane, each drawing."""
+        return cls(
+            np.array(tokens, dtype=np.int32),
+            np.array(positions, dtype=np.int32),
+            np.array(seqs, dtype=np.int32),
+            np.ones(len(tokens), dtype=np.int8),
+            np.arange(len(tokens)),
+        )
+
+    def with_drafts(self, drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The decode's arrays with each lane's draft right after its input row, every drafted row wanted."""
+        at: list[int] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        for row, draft in zip(self.rows, drafts, strict=True):
+            if draft:
+                start = int(self.positions[row]) + 1
+                at += [int(row) + 1] * len(draft)
+                tokens += draft
+                positions += range(start, start + len(draft))
+                seqs += [int(self.seqs[row])] * len(draft)
+        if not at:
+            return self.tokens, self.positions, self.seqs, self.want
+        return (
+            np.insert(self.tokens, at, tokens),
+            np.insert(self.positions, at, positions),
+            np.insert(self.seqs, at, seqs),
+            np.insert(self.want, at, 1),
+        )
 
 
 def _opened(table: dict[int, T], handle: int, what: str) -> T:

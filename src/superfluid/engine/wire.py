@@ -3,10 +3,12 @@
 A frame is a `u32` little-endian length, then a one-byte kind, then its payload. Each call
 is one request frame answered by one reply frame, in order. A step travels as a small
 header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
-then one packed record per draw) and comes back as how many tokens each draw drew and
-their ids, so a tick's traffic is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
+then one packed record per draw) and comes back as how many tokens each draw drew, their
+ids, what each draw drafted and kept, and how many decodes the call made, so a tick's traffic
+is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
 probabilities add a fixed-size record each to the reply. A job's shaping (bias, penalties,
-how many log probabilities) travels once, when it is opened. An embedding's token ids and
+how many log probabilities) travels once, when it is opened, and so does the stream a
+drafter starts from. An embedding's token ids and
 the vector it comes back as travel as raw bytes. KV states (tens of megabytes) do not cross
 the socket: both sides map one memory file (`SharedRegion`), llama.cpp writes an export
 straight into it and reads an import straight from it, and the frames carry their sizes.
@@ -31,6 +33,7 @@ STEP, COPY, TRUNCATE, EXPORT, RESTORE, OPEN_GRAMMAR, CLOSE_GRAMMAR = range(1, 8)
 # numbered apart from the kinds above, so that new step kinds can follow them
 EMBED = 32  # an input's token ids (i32s) in, its pooled embedding (f32s) back
 OPEN_SHAPING, CLOSE_SHAPING = 33, 34  # a job's sampling extras, opened once and closed at its end
+OPEN_DRAFTER, CLOSE_DRAFTER = 35, 36  # a job's prompt lookup: its stream (i32s) in, a handle back
 # reply kinds (worker -> daemon)
 OK, KV_FULL, FAILED, READY = 100, 101, 102, 103
 
@@ -46,7 +49,10 @@ DRAW = np.dtype(
         ("grammar", "<u4"),
         ("shaping", "<u4"),
         ("run", "<u4"),
-        ("verify", "<u4"),
+        ("limit", "<u4"),
+        ("drafter", "<u4"),
+        ("draft", "<u4"),
+        ("adaptive", "u1"),
     ]
 )
 LOGPROBS = np.dtype(
@@ -61,6 +67,7 @@ LOGPROBS = np.dtype(
 _HEAD = struct.Struct("<II")  # tokens in the batch, draws
 _SHAPING = struct.Struct("<fffiII")  # presence, frequency, repeat, logprobs, biased tokens, recent tokens
 _LENGTH = struct.Struct("<I")
+_DECODES = struct.Struct("<I")  # a step reply's llama_decode calls
 
 
 class ChannelClosed(ConnectionError):
@@ -143,7 +150,10 @@ def encode_step(step: Step) -> bytes:
             d.grammar,
             d.shaping,
             d.run,
-            d.verify,
+            d.limit,
+            d.drafter,
+            d.draft,
+            d.adaptive,
         )
     return b"".join(
         (
@@ -173,48 +183,60 @@ def decode_step(payload: memoryview) -> Step:
             int(r["grammar"]),
             int(r["shaping"]),
             int(r["run"]),
-            int(r["verify"]),
+            int(r["limit"]),
+            int(r["drafter"]),
+            int(r["draft"]),
+            bool(r["adaptive"]),
         )
         for r in records
     ]
     return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws)
 
 
-def encode_drawn(drawn: list[list[int]], logprobs: dict[int, LogprobRow]) -> bytes:
-    """A step's reply: how many tokens each draw drew, their ids, then a record per draw that
-    asked for log probabilities."""
+def encode_drawn(step: Step, drawn: list[list[int]]) -> bytes:
+    """A step's reply: the decodes it made, how many tokens each draw drew, their ids, each draw's
+    drafted and kept tokens, then a record per draw that asked for log probabilities."""
     counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
     ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
-    head = counts.tobytes() + ids.tobytes()
-    if not logprobs:
+    spec = np.zeros((2, len(drawn)), dtype="<u4")
+    for draw, (drafted, kept) in step.spec.items():
+        spec[:, draw] = drafted, kept
+    head = _DECODES.pack(step.decodes) + counts.tobytes() + ids.tobytes() + spec.tobytes()
+    if not step.logprobs:
         return head
-    rows = np.zeros(len(logprobs), dtype=LOGPROBS)
-    for i, (draw, row) in enumerate(sorted(logprobs.items())):
+    rows = np.zeros(len(step.logprobs), dtype=LOGPROBS)
+    for i, (draw, row) in enumerate(sorted(step.logprobs.items())):
         rows[i]["draw"], rows[i]["logprob"], rows[i]["count"] = draw, row.logprob, len(row.top)
         for j, (token, value) in enumerate(row.top):
             rows[i]["ids"][j], rows[i]["values"][j] = token, value
     return head + rows.tobytes()
 
 
-def decode_drawn(payload: memoryview, draws: int) -> tuple[list[list[int]], dict[int, LogprobRow]]:
-    counts = np.frombuffer(payload, dtype="<u4", count=draws)
+def decode_drawn(payload: memoryview, step: Step) -> list[list[int]]:
+    """The tokens each draw drew; the step's `decodes`, `spec` and `logprobs` are filled in."""
+    draws = len(step.draws)
+    (step.decodes,) = _DECODES.unpack_from(payload)
+    at = _DECODES.size
+    counts = np.frombuffer(payload, dtype="<u4", count=draws, offset=at)
     total = int(counts.sum())
-    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=4 * draws).tolist()
+    at += 4 * draws
+    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=at).tolist()
+    at += 4 * total
     ends = np.cumsum(counts).tolist()
     drawn = [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)]
-    end = 4 * (draws + total)
-    if len(payload) == end:
-        return drawn, {}
-    records = np.frombuffer(payload, dtype=LOGPROBS, offset=end)
-    logprobs = {
-        int(r["draw"]): LogprobRow(
+    spec = np.frombuffer(payload, dtype="<u4", count=2 * draws, offset=at).reshape(2, draws)
+    at += 8 * draws
+    step.spec = {i: (int(spec[0, i]), int(spec[1, i])) for i in np.flatnonzero(spec[0])}
+    step.logprobs = {}
+    if len(payload) == at:
+        return drawn
+    for r in np.frombuffer(payload, dtype=LOGPROBS, offset=at):
+        step.logprobs[int(r["draw"])] = LogprobRow(
             drawn[r["draw"]][0],
             float(r["logprob"]),
             tuple((int(t), float(v)) for t, v in zip(r["ids"][: r["count"]], r["values"][: r["count"]], strict=True)),
         )
-        for r in records
-    }
-    return drawn, logprobs
+    return drawn
 
 
 def encode_shaping(shaping: Shaping, recent: list[int]) -> bytes:

@@ -31,9 +31,10 @@ def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: m
     if kind == wire.STEP:
         started = time.perf_counter()
         step = wire.decode_step(payload)
-        drawn = wire.encode_drawn(engine.step(step), step.logprobs)
+        drawn = engine.step(step)
+        reply = wire.encode_drawn(step, drawn)
         # what the step cost here, and its first decode
-        return drawn + struct.pack("<dd", step.first_decode_s, time.perf_counter() - started)
+        return reply + struct.pack("<dd", step.first_decode_s, time.perf_counter() - started)
     if kind == wire.COPY:
         engine.copy(*wire.read_ints(payload, 3))
         return wire.ints(int(engine.copy_pending))  # a short copy is done at once
@@ -60,6 +61,11 @@ def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: m
         return wire.ints(engine.open_shaping(*wire.decode_shaping(payload)))
     if kind == wire.CLOSE_SHAPING:
         engine.close_shaping(*wire.read_ints(payload, 1))
+        return b""
+    if kind == wire.OPEN_DRAFTER:
+        return wire.ints(engine.open_drafter(np.frombuffer(payload, dtype="<i4").tolist()))
+    if kind == wire.CLOSE_DRAFTER:
+        engine.close_drafter(*wire.read_ints(payload, 1))
         return b""
     raise EngineError(f"unknown call {kind}")
 

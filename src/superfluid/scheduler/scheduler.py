@@ -63,7 +63,7 @@ from ..protocol.schema import (
 )
 from .park import Park
 from .prefix_cache import PrefixCache, Seed, common_prefix
-from .speculate import DecodeCost, LaneSpec, SpecGate, SpecSettings
+from .speculate import SpecGate, SpecSettings
 
 log = logging.getLogger("superfluid.scheduler")
 
@@ -141,7 +141,9 @@ class Job:
     submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
     order: int = 0  # first come, first served within a class
     session: int | None = None  # whose generation it is, for the views of the lanes; the scheduler ignores it
-    spec: LaneSpec | None = None  # its drafts and how they fared, once it drafts
+    drafter_handle: int = 0  # its prompt lookup in the engine, under --speculate
+    spec_proposed: int = 0  # drafted tokens put into its decodes
+    spec_accepted: int = 0  # of them, those it would have drawn anyway
 
 
 @dataclass(eq=False)
@@ -223,7 +225,6 @@ class Scheduler:
         self.park = park
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
         self.gate = SpecGate(speculation.min_speedup) if self.speculation and self.speculation.mode == "auto" else None
-        self.decode_cost = DecodeCost()  # what drafting weighs its drafts against
         self.cache = PrefixCache(host_cache_bytes, park.put if park is not None else lambda tokens, state: None)
         self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
@@ -389,7 +390,7 @@ class Scheduler:
             for job in cut:
                 self._queue.remove(job)
             for job in [*self._queue, *cut, *(lane.job for lane in self.lanes)]:
-                job.grammar_handle = job.shaping_handle = 0  # their state went with the worker
+                job.grammar_handle = job.shaping_handle = job.drafter_handle = 0  # their state went with the worker
         cut += [lane.job for lane in self.lanes]
         self.lanes.clear()
         self.stats.lanes_active = 0
@@ -596,7 +597,8 @@ class Scheduler:
         return Lane(seq, job, list(job.tokens[:length]), feed, next(self._admissions))
 
     def _open_sampling(self, job: Job) -> None:
-        """The engine's state of a job's grammar and shaping: opened once, kept while the job is preempted."""
+        """The engine's state of a job's grammar, shaping and drafter: opened once, kept while the job is
+        preempted."""
         if job.grammar is not None and not job.grammar_handle:
             try:
                 job.grammar_handle = self.engine.open_grammar(job.grammar)
@@ -604,6 +606,8 @@ class Scheduler:
                 raise EngineError(str(e)) from None
         if job.shaping is not None and not job.shaping_handle:
             job.shaping_handle = self.engine.open_shaping(job.shaping, job.tokens[-REPEAT_WINDOW:])
+        if not job.drafter_handle and self._may_draft(job):
+            job.drafter_handle = self.engine.open_drafter(job.tokens)
 
     def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, bool, float]:
         """Lower is better: keeps lanes consecutive, then spares idle entries (pinned ones most, then
@@ -781,34 +785,14 @@ class Scheduler:
         draws = []
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
-        drafted = {lane.seq: len(chunk) - 1 for lane, chunk, _ in plan if lane.decoding and len(chunk) > 1}
         run = self._run_length(plan) if decode_only else 1
+        draft = self._draft_length(len(plan), decode_only)
         for lane, chunk, start in plan:
             end += len(chunk)
             job = lane.job
-            if lane.seq in drafted:
-                # the last drawn token and its draft: every position's row is drawn, the lead verifies
-                # (and then runs on, one decode a token, as the other lanes do)
-                want[end - len(chunk) : end] = 1
-                owners.append((lane, len(draws)))
-                limit = min(run, job.max_tokens - job.generated, self.window - start - 1)
-                draws += [
-                    Draw(
-                        job.params,
-                        start + 1 + i,
-                        job.ignore_eos,
-                        job.grammar_handle,
-                        job.shaping_handle,
-                        max(1, limit) if i == 0 else 1,
-                        verify=len(chunk) - 1 if i == 0 else 0,
-                    )
-                    for i in range(len(chunk))
-                ]
-            elif len(chunk) == len(lane.feed) and not job.prefill_only:
+            if len(chunk) == len(lane.feed) and not job.prefill_only:
                 want[end - 1] = 1
                 owners.append((lane, len(draws)))
-                # a run ends where the job would end: its max_tokens, or the window
-                limit = min(run, job.max_tokens - job.generated, self.window - start - 1)
                 draws.append(
                     Draw(
                         job.params,
@@ -816,7 +800,12 @@ class Scheduler:
                         job.ignore_eos,
                         job.grammar_handle,
                         job.shaping_handle,
-                        max(1, limit),
+                        run,
+                        # a run ends where the job would end: its max_tokens, or the window
+                        max(1, min(job.max_tokens - job.generated, self.window - start - len(chunk))),
+                        job.drafter_handle,
+                        draft if job.drafter_handle and lane.decoding else 0,
+                        self.speculation is None or self.speculation.adaptive,
                     )
                 )
         step = Step(tokens, positions, seqs, want, draws)
@@ -842,28 +831,24 @@ class Scheduler:
                 for lane, _, _ in plan:
                     self._retire(lane, FINISH_ERROR, f"generation failed: {e}", keep=False)
                 return True
-        # llama_decode calls in this step: a run makes one per token, a verified draft one for all it keeps
-        kept = {i: self._kept(drawn[i], step.tokens, want, i, drafted[ln.seq]) for ln, i in owners if ln.seq in drafted}
-        decodes = max((len(drawn[index]) - kept.get(index, 0) for _, index in owners), default=1)
+        decodes = step.decodes
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0)
-        if decode_only and self.speculation is not None:
-            self.decode_cost.add(len(tokens), step.first_decode_s)
-            if self.gate is not None:
-                self.gate.record(len(plan), total, took)
+        if decode_only and self.gate is not None:
+            self.gate.record(len(plan), total, took)
+        jobs = {index: lane.job for lane, index in owners}
+        for index, (proposed, accepted) in step.spec.items():
+            self._record_draft(jobs[index], proposed, accepted)
         for lane, chunk, _ in plan:
-            fed = chunk[:1] if lane.seq in drafted else chunk  # drafts enter `held` only as they stand
-            lane.held.extend(fed)
-            del lane.feed[: len(fed)]
+            lane.held.extend(chunk)
+            del lane.feed[: len(chunk)]
             if lane.job.generated:
-                self.stats.decode_tokens += len(fed)
+                self.stats.decode_tokens += len(chunk)
             else:
-                self.stats.prefill_tokens += len(fed)
+                self.stats.prefill_tokens += len(chunk)
         for lane, index in owners:
             tokens = drawn[index]
-            if lane.seq in drafted:
-                self._record_draft(lane.job, drafted[lane.seq], kept[index])
             for i, token in enumerate(tokens):
                 if i:
                     lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
@@ -873,18 +858,9 @@ class Scheduler:
                     break
         return finished | self._retire_prefilled()
 
-    @staticmethod
-    def _kept(picks: list[int], tokens: np.ndarray, want: np.ndarray, lead: int, count: int) -> int:
-        """How many of a lead draw's `count` drafts stood: its picks agree with the drafted rows up to there."""
-        rows = np.flatnonzero(want)[lead + 1 : lead + 1 + count]
-        kept = 0
-        while kept < len(picks) - 1 and kept < len(rows) and picks[kept] == tokens[rows[kept]]:
-            kept += 1
-        return kept
-
     def _record_draft(self, job: Job, proposed: int, accepted: int) -> None:
-        assert job.spec is not None
-        job.spec.record(self.stats.steps, proposed, accepted)
+        job.spec_proposed += proposed
+        job.spec_accepted += accepted
         self.stats.spec_proposed += proposed
         self.stats.spec_accepted += accepted
 
@@ -931,13 +907,8 @@ class Scheduler:
             # decoding take every few steps only (their tokens come later, in fuller batches), and
             # interactive lanes every step; a cache warm-up waits for no token
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
-        drafting = self._drafting(runnable)
-        relative = self._draft_cost(len(decoding)) if drafting else None
-        room = self.engine.shape.batch - len(decoding)  # drafted positions the batch still holds
         for lane in decoding:
-            draft = self._draft(lane, relative, room) if drafting else []
-            room -= len(draft)
-            plan.append((lane, lane.feed[:1] + draft, len(lane.held)))
+            plan.append((lane, lane.feed[:1], len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
         step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
         budget = max(MIN_PREFILL, int(step / self._token_cost) - inputs)
@@ -956,40 +927,24 @@ class Scheduler:
             budget -= take
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
-    def _drafting(self, runnable: list[Lane]) -> bool:
-        """True when this step's decoding lanes may carry drafts: speculation is on, the gate (under
-        auto) allows it, and no prompt is prefilling (a draft would only lengthen that step)."""
-        if self.speculation is None or not all(lane.decoding for lane in runnable):
+    def _draft_length(self, lanes: int, decode_only: bool) -> int:
+        """The longest draft this step's lanes may carry: none with speculation off, while a prompt
+        prefills (a draft would only lengthen that step), or while the gate (under auto) finds that
+        drafts do not pay for this many lanes."""
+        settings = self.speculation
+        if settings is None or not decode_only or (self.gate is not None and not self.gate.allows(lanes)):
+            return 0
+        return settings.draft_tokens
+
+    def _may_draft(self, job: Job) -> bool:
+        """Whether a job gets a drafter: not where drafts cannot be verified as the job would draw its
+        tokens (log probabilities asked, a batch-invariant job on kernels that are not exact)."""
+        settings = self.speculation
+        if settings is None or job.prefill_only:
             return False
-        return self.gate is None or self.gate.allows(len(runnable))
-
-    def _draft_cost(self, lanes: int) -> float | None:
-        """A drafted position's cost over a plain lane's share of a step of `lanes` lanes, as measured:
-        the position's share of the engine's decode, against what a step of plain decoding takes in
-        all (the channel and this loop included)."""
-        line = self.decode_cost.line()
-        if line is None or lanes < 1:
-            return None
-        a, b = line
-        return b * lanes / max(a + b * lanes, self._decode_step_s)
-
-    def _draft(self, lane: Lane, relative_cost: float | None, room: int) -> list[int]:
-        """The tokens prompt lookup proposes to follow a decoding lane; none where drafts cannot be
-        verified as the lane would draw them (log probabilities asked, a batch-invariant lane on kernels
-        that are not exact) or where the job or the window ends first."""
-        settings, job = self.speculation, lane.job
-        assert settings is not None
         if job.shaping is not None and job.shaping.logprobs >= 0:
-            return []
-        if job.batch_invariant and not settings.exact:
-            return []
-        if job.spec is None:
-            job.spec = LaneSpec(settings.draft_tokens, settings.adaptive)
-        room = min(room, job.max_tokens - job.generated - 1, self.window - len(lane.held) - 2)
-        limit = min(job.spec.length(self.stats.steps, relative_cost), room)
-        if limit <= 0:
-            return []
-        return job.spec.lookup.draft(lane.held, lane.feed[0], limit)
+            return False
+        return settings.exact or not job.batch_invariant
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
@@ -1035,17 +990,19 @@ class Scheduler:
 
     def _finish(self, job: Job, finish: int, error: str | None = None) -> None:
         job.done = True
-        grammar, shaping = job.grammar_handle, job.shaping_handle
-        job.grammar_handle = job.shaping_handle = 0
+        grammar, shaping, drafter = job.grammar_handle, job.shaping_handle, job.drafter_handle
+        job.grammar_handle = job.shaping_handle = job.drafter_handle = 0
         try:
             if grammar:
                 self.engine.close_grammar(grammar)
             if shaping:
                 self.engine.close_shaping(shaping)
+            if drafter:
+                self.engine.close_drafter(drafter)
         except WorkerGone:
             self._worker_gone = True  # noticed here; recovered after this tick
         except EngineError:
-            log.exception("closing a job's grammar or shaping failed")
+            log.exception("closing a job's grammar, shaping or drafter failed")
         job.sink.finished(job, finish, error)
 
     def _fail_all(self, why: str) -> None:

@@ -1,0 +1,127 @@
+"""The engine's drafting pieces: prompt lookup over a lane's stream, the odds a drafted token stands,
+what a decode costs by its size, and the draft lengths planned from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from superfluid.engine.drafting import Acceptance, Candidate, DecodeTimes, Match, PromptLookup, plan
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_earlier_occurrence() -> None:
+    lookup = PromptLookup([1, 2, 3, 4, 5, 1, 2, 3])
+    match = lookup.match()
+    assert match == Match(3, 3), "after the trigram 1 2 3, which agrees that far back"
+    assert lookup.draft(match, 4) == [4, 5, 1, 2]
+    bigram = PromptLookup([7, 8, 9, 4, 8, 9])
+    found = bigram.match()
+    assert found == Match(3, 2), "after the bigram 8 9"
+    assert bigram.draft(found, 5) == [4, 8, 9] and bigram.available(found) == 3, "running into the end"
+    assert PromptLookup([1, 2, 3, 4, 5]).match() is None, "nothing to follow"
+    latest = PromptLookup([1, 2, 3, 7, 1, 2, 3, 8, 0, 1, 2, 3])
+    assert latest.draft(latest.match(), 1) == [8], "the latest occurrence wins"  # type: ignore[arg-type]
+
+
+def test_agreement_counts_how_far_back_the_source_matches() -> None:
+    passage = [10, 11, 12, 13, 14, 15, 16]
+    lookup = PromptLookup([*passage, 99, *passage[:5]])
+    assert lookup.match() == Match(5, 5), "five tokens of the passage agree before the draft"
+
+
+def test_the_index_follows_the_stream_as_it_is_fed() -> None:
+    lookup = PromptLookup([5, 6, 7, 8])
+    lookup.feed(4, 9)
+    assert lookup.match() is None
+    for position, token in ((5, 5), (6, 6), (7, 7)):
+        lookup.feed(position, token)
+    assert lookup.draft(lookup.match(), 2) == [8, 9], "the index grows with the stream"  # type: ignore[arg-type]
+    lookup.feed(7, 7)
+    assert lookup.stream == [5, 6, 7, 8, 9, 5, 6, 7], "the same input again changes nothing"
+    lookup.feed(2, 1)
+    assert lookup.stream == [5, 6, 1] and lookup.match() is None, "an input at an earlier position rewrites the rest"
+    lookup.feed(3, 5)
+    lookup.feed(4, 6)
+    assert lookup.draft(lookup.match(), 3) == [1, 5, 6], "the index was rebuilt for what the stream is now"  # type: ignore[arg-type]
+
+
+def test_a_drafter_that_missed_positions_drafts_no_more() -> None:
+    lookup = PromptLookup([1, 2, 3, 1, 2])
+    assert lookup.match() is not None
+    lookup.feed(7, 3)
+    assert lookup.lost and lookup.match() is None
+
+
+def test_acceptance_learns_the_odds_by_agreement() -> None:
+    acceptance = Acceptance()
+    assert acceptance.odds(3) == pytest.approx(Acceptance.PRIOR), "untried: the optimistic prior"
+    for _ in range(200):
+        acceptance.record(3, 4, 0)  # a fresh match of three: the first drafted token fails
+        acceptance.record(12, 4, 4)  # deep in a passage: every drafted token stands
+    assert acceptance.odds(3) < 0.05
+    assert acceptance.odds(12) > 0.95 and acceptance.odds(15) > 0.95
+    assert acceptance.odds(4) == pytest.approx(Acceptance.PRIOR), "past a failure, nothing was tried"
+    gains = acceptance.gains(12, 4)
+    assert gains[0] == 0.0 and gains[4] == pytest.approx(4.0, abs=0.2)
+    assert acceptance.gains(3, 4)[4] < 0.05
+
+
+# what a decode cost by its positions, in units of a one-position decode: the shape seen on a CPU
+CPU = {1: 1.0, 2: 1.83, 3: 2.16, 4: 2.5, 5: 3.07, 6: 3.43, 7: 3.81, 8: 3.67, 12: 4.87, 16: 5.97}
+
+
+def measured(costs: dict[int, float]) -> DecodeTimes:
+    times = DecodeTimes(64)
+    for positions, seconds in costs.items():
+        times.add(positions, seconds)
+    return times
+
+
+def test_decode_times_interpolate_and_guess_optimistically() -> None:
+    times = DecodeTimes(64)
+    assert times.cost(1) is None, "nothing measured"
+    times.add(1, 1.0)
+    assert times.cost(1) == 1.0
+    assert times.cost(5) == pytest.approx(1.0 + DecodeTimes.GUESS * 4), "above: a quarter a position"
+    times.add(9, 3.0)
+    assert times.cost(5) == pytest.approx(2.0), "between: on the line"
+    times.add(2, 1.9)
+    assert times.cost(2) == 1.9, "a size measured is its own: a CPU's second position costs most of a first"
+    times.add(1, 2.0)
+    assert times.cost(1) == pytest.approx(1.0 + DecodeTimes.WEIGHT), "later decodes move it"
+
+
+def trained(agreed: int, odds_stand: bool) -> Acceptance:
+    acceptance = Acceptance()
+    for _ in range(300):
+        acceptance.record(agreed, 15, 15 if odds_stand else 0)
+    return acceptance
+
+
+def test_plan_drafts_long_where_drafts_stand_and_nothing_where_they_fail() -> None:
+    times = measured(CPU)
+    sure = Candidate(Match(0, 8), 15, adaptive=True)
+    assert plan([sure], 1, 1, 500, trained(8, True), times) == [15], "every token stands: as long as it may"
+    assert plan([sure], 1, 1, 500, trained(8, False), times) == [0], "none stands: no draft"
+    assert plan([sure], 1, 1, 3, trained(8, True), times) == [3], "no longer than the batch has room for"
+    fixed = Candidate(Match(0, 8), 6, adaptive=False)
+    assert plan([fixed], 1, 1, 500, trained(8, False), times) == [6], "not adaptive: always the longest"
+
+
+def test_plan_weighs_a_draft_against_what_its_positions_cost() -> None:
+    acceptance = Acceptance()
+    for i in range(300):
+        acceptance.record(3, 1, int(i % 5 != 0))  # a first drafted token stands four times in five
+        acceptance.record(4, 2, 0)  # a second one never
+    one = Candidate(Match(0, 3), 4, adaptive=True)
+    assert plan([one], 1, 1, 500, acceptance, measured(CPU)) == [0], "0.8 more tokens do not pay 0.83 more time"
+    cheap = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}
+    assert plan([one], 1, 1, 500, acceptance, measured(cheap)) == [1], "on cheap positions they do"
+
+
+def test_plan_gives_the_batch_room_to_the_lanes_most_likely_to_gain() -> None:
+    acceptance = trained(8, True)
+    for _ in range(300):
+        acceptance.record(2, 15, 0)
+    times = measured({n: 1.0 + 0.05 * (n - 1) for n in range(1, 65)})
+    sure, unsure = Candidate(Match(0, 8), 15, adaptive=True), Candidate(Match(5, 2), 15, adaptive=True)
+    assert plan([unsure, sure], 2, 2, 10, acceptance, times) == [0, 10]
