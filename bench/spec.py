@@ -1,10 +1,12 @@
 """Speculative decoding's figures: decode tok/s with drafts against without, in one run.
 
-Three daemons are up at once, `--speculate off`, `prompt-lookup` and `auto`, and take turns
-measure by measure (this machine drifts by 10-20% over minutes). Two workloads, at 1, 4 and 8
+Three daemons are up at once, `--speculate off`, `prompt-lookup` and `auto` (each at its
+default draft settings), and take turns measure by measure, three rounds of each (this machine
+drifts by 10-20% over minutes; a figure is the median round's). Two workloads, at 1, 4 and 8
 concurrent streams: an agent rewriting a 40-line Python module with type hints (it repeats
-most of what it was shown: what prompt lookup drafts well), and free-form chat (little to
-draft: where `auto` must cost nothing). Each stream is 256 greedy tokens.
+most of what it was shown: what prompt lookup drafts well; the embedded model copies it rather
+than adding the hints), and free-form chat (less to draft: where `auto` must cost nothing).
+Each stream is 256 greedy tokens.
 """
 
 from __future__ import annotations
@@ -20,15 +22,55 @@ from superfluid.metrics import read_metric
 
 MODES = ("off", "prompt-lookup", "auto")
 TOKENS = 256
+LOG_GATE = ("--log-filter", "superfluid.scheduler=info,warn")
+
+
+NAMES = ("grid", "route", "shape", "track", "field", "plot", "zone", "path", "area", "mesh", "chart", "patch")
 
 
 def module(seed: int) -> str:
-    """A 40-line Python module without type hints, different for every seed."""
-    lines = []
-    for i in range(10):
-        name = f"scale_{seed}_{i}"
-        lines += [f"def {name}(values, factor):", f"    total = sum(values) * factor + {i}", "    return total", ""]
-    return "\n".join(lines)
+    """A 40-line Python module without type hints (six small geometry functions), different for every seed."""
+    return f"""\"\"\"Helpers for polygons given as lists of (x, y) points.\"\"\"
+
+import math
+
+ORIGIN = (0.0, 0.0)
+
+
+def distance(a, b):
+    dx = a[0] - b[0]
+    dy = a[1] - b[1]
+    return math.sqrt(dx * dx + dy * dy)
+
+
+def centroid(points):
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    return sum(xs) / len(xs), sum(ys) / len(ys)
+
+
+def scale(points, factor={seed}):
+    return [(x * factor, y * factor) for x, y in points]
+
+
+def bounding_box(points):
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    return min(xs), min(ys), max(xs), max(ys)
+
+
+def perimeter(points):
+    total = 0.0
+    for i in range(len(points)):
+        total += distance(points[i], points[i - 1])
+    return total
+
+
+def describe_{NAMES[seed % len(NAMES)]}(name, points):
+    box = bounding_box(points)
+    size = perimeter(points)
+    return f"{{name}}: {{len(points)}} points, box {{box}}, perimeter {{size:.2f}}"
+"""
 
 
 def rewrite(seed: int) -> load.Chat:
@@ -42,8 +84,10 @@ def chat(seed: int) -> load.Chat:
 
 def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float, str, bool, str]]:
     """(name, value, target, passed, detail) rows."""
-    daemons = {
-        mode: Superfluid(root / f"spec-{mode}", 4096, 8, "--threads", str(threads), "--no-park", "--speculate", mode)
+    daemons = {  # the gate's decisions go to each log
+        mode: Superfluid(
+            root / f"spec-{mode}", 4096, 8, "--threads", str(threads), "--no-park", "--speculate", mode, *LOG_GATE
+        )
         for mode in MODES
     }
     rates: dict[tuple[str, str, int], list[float]] = {}
@@ -54,7 +98,7 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         seed = 1
         for workload, make in (("rewrite", rewrite), ("chat", chat)):
             for streams in (1, 4, 8):
-                for _ in range(1 if quick else 2):
+                for _ in range(1 if quick else 3):
                     for mode, daemon in daemons.items():
                         chats = [make(seed + i) for i in range(streams)]
                         rate = load.decode_rate(load.together(daemon.url, chats))
@@ -62,7 +106,11 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
                     seed += streams
                 print(
                     f"spec: {workload}, {streams} streams: "
-                    + ", ".join(f"{m} {np.median(rates[(workload, m, streams)]):.1f} tok/s" for m in MODES),
+                    + ", ".join(
+                        f"{m} {np.median(rates[(workload, m, streams)]):.1f} tok/s "
+                        f"({', '.join(f'{r:.0f}' for r in rates[(workload, m, streams)])})"
+                        for m in MODES
+                    ),
                     flush=True,
                 )
         acceptance = {}
@@ -101,4 +149,15 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         rows.append(
             (f"drafted tokens accepted, {mode}", share, "(reported)", True, f"{accepted:.0f} of {proposed:.0f}")
         )
+    log = daemons["auto"].log.read_text()
+    kept, dropped = log.count("speculation on: drafts measured"), log.count("speculation off: drafts measured")
+    rows.append(
+        (
+            "auto's probes that kept drafts",
+            kept / max(1, kept + dropped),
+            "(reported)",
+            True,
+            f"{kept} of {kept + dropped}",
+        )
+    )
     return rows

@@ -28,6 +28,14 @@ def test_agreement_counts_how_far_back_the_source_matches() -> None:
     assert lookup.match() == Match(5, 5), "five tokens of the passage agree before the draft"
 
 
+def test_the_occurrence_that_agrees_longest_is_the_source() -> None:
+    copied = [10, 11, 1, 2, 3, 4]
+    lookup = PromptLookup([*copied, 20, 21, 1, 2, 3, 5, 99, *copied[:5]])
+    match = lookup.match()
+    assert match == Match(5, 5), "the passage being copied, not the later occurrence of 1 2 3"
+    assert lookup.draft(match, 1) == [4]  # type: ignore[arg-type]
+
+
 def test_the_index_follows_the_stream_as_it_is_fed() -> None:
     lookup = PromptLookup([5, 6, 7, 8])
     lookup.feed(4, 9)
@@ -69,25 +77,28 @@ def test_acceptance_learns_the_odds_by_agreement() -> None:
 CPU = {1: 1.0, 2: 1.83, 3: 2.16, 4: 2.5, 5: 3.07, 6: 3.43, 7: 3.81, 8: 3.67, 12: 4.87, 16: 5.97}
 
 
-def measured(costs: dict[int, float]) -> DecodeTimes:
+def measured(costs: dict[int, float], lanes: int = 1) -> DecodeTimes:
     times = DecodeTimes(64)
     for positions, seconds in costs.items():
-        times.add(positions, seconds)
+        times.add(lanes, positions, seconds)
     return times
 
 
 def test_decode_times_interpolate_and_guess_optimistically() -> None:
     times = DecodeTimes(64)
-    assert times.cost(1) is None, "nothing measured"
-    times.add(1, 1.0)
-    assert times.cost(1) == 1.0
-    assert times.cost(5) == pytest.approx(1.0 + DecodeTimes.GUESS * 4), "above: a quarter a position"
-    times.add(9, 3.0)
-    assert times.cost(5) == pytest.approx(2.0), "between: on the line"
-    times.add(2, 1.9)
-    assert times.cost(2) == 1.9, "a size measured is its own: a CPU's second position costs most of a first"
-    times.add(1, 2.0)
-    assert times.cost(1) == pytest.approx(1.0 + DecodeTimes.WEIGHT), "later decodes move it"
+    assert times.cost(1, 1) is None, "nothing measured"
+    times.add(1, 1, 1.0)
+    assert times.cost(1, 1) == 1.0
+    assert times.cost(1, 5) == pytest.approx(1.0 + DecodeTimes.GUESS * 4), "above: a quarter a position"
+    times.add(1, 9, 3.0)
+    assert times.cost(1, 5) == pytest.approx(2.0), "between: on the line"
+    times.add(1, 2, 1.9)
+    assert times.cost(1, 2) == 1.9, "a size measured is its own: a CPU's second position costs most of a first"
+    times.add(1, 1, 2.0)
+    assert times.cost(1, 1) == pytest.approx(1.0 + DecodeTimes.WEIGHT), "later decodes move it"
+    assert times.cost(8, 9) is None, "eight lanes read eight KVs: their decodes are measured apart"
+    times.add(8, 8, 4.0)
+    assert times.cost(8, 9) == pytest.approx(4.0 * (1 + DecodeTimes.GUESS / 8))
 
 
 def trained(agreed: int, odds_stand: bool) -> Acceptance:
@@ -97,14 +108,18 @@ def trained(agreed: int, odds_stand: bool) -> Acceptance:
     return acceptance
 
 
+def choice(acceptance: Acceptance, agreed: int, longest: int, adaptive: bool = True) -> Candidate:
+    return Candidate(acceptance.gains(agreed, longest), adaptive)
+
+
 def test_plan_drafts_long_where_drafts_stand_and_nothing_where_they_fail() -> None:
     times = measured(CPU)
-    sure = Candidate(Match(0, 8), 15, adaptive=True)
-    assert plan([sure], 1, 1, 500, trained(8, True), times) == [15], "every token stands: as long as it may"
-    assert plan([sure], 1, 1, 500, trained(8, False), times) == [0], "none stands: no draft"
-    assert plan([sure], 1, 1, 3, trained(8, True), times) == [3], "no longer than the batch has room for"
-    fixed = Candidate(Match(0, 8), 6, adaptive=False)
-    assert plan([fixed], 1, 1, 500, trained(8, False), times) == [6], "not adaptive: always the longest"
+    stand, fail = trained(8, True), trained(8, False)
+    assert plan([choice(stand, 8, 15)], 1, 1, 500, times) == [15], "every token stands: as long as it may"
+    assert plan([choice(fail, 8, 15)], 1, 1, 500, times) == [0], "none stands: no draft"
+    assert plan([choice(stand, 8, 15)], 1, 1, 3, times) == [3], "no longer than the batch has room for"
+    assert plan([choice(fail, 8, 6, adaptive=False)], 1, 1, 500, times) == [6], "not adaptive: always the longest"
+    assert plan([choice(stand, 8, 15)], 1, 1, 500, DecodeTimes(64)) == [0], "nothing measured: this decode measures"
 
 
 def test_plan_weighs_a_draft_against_what_its_positions_cost() -> None:
@@ -112,16 +127,26 @@ def test_plan_weighs_a_draft_against_what_its_positions_cost() -> None:
     for i in range(300):
         acceptance.record(3, 1, int(i % 5 != 0))  # a first drafted token stands four times in five
         acceptance.record(4, 2, 0)  # a second one never
-    one = Candidate(Match(0, 3), 4, adaptive=True)
-    assert plan([one], 1, 1, 500, acceptance, measured(CPU)) == [0], "0.8 more tokens do not pay 0.83 more time"
+    one = choice(acceptance, 3, 4)
+    assert plan([one], 1, 1, 500, measured(CPU)) == [0], "0.8 more tokens do not pay 0.83 more time"
     cheap = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}
-    assert plan([one], 1, 1, 500, acceptance, measured(cheap)) == [1], "on cheap positions they do"
+    assert plan([one], 1, 1, 500, measured(cheap)) == [1], "on cheap positions they do"
 
 
 def test_plan_gives_the_batch_room_to_the_lanes_most_likely_to_gain() -> None:
     acceptance = trained(8, True)
     for _ in range(300):
         acceptance.record(2, 15, 0)
-    times = measured({n: 1.0 + 0.05 * (n - 1) for n in range(1, 65)})
-    sure, unsure = Candidate(Match(0, 8), 15, adaptive=True), Candidate(Match(5, 2), 15, adaptive=True)
-    assert plan([unsure, sure], 2, 2, 10, acceptance, times) == [0, 10]
+    times = measured({n: 1.0 + 0.05 * (n - 1) for n in range(2, 65)}, lanes=2)
+    unsure, sure = choice(acceptance, 2, 15), choice(acceptance, 8, 15)
+    assert plan([unsure, sure], 2, 2, 10, times) == [0, 10]
+
+
+def test_a_lane_starts_from_the_engines_odds_and_moves_to_its_own() -> None:
+    engine = trained(8, True)
+    lane = Acceptance(engine)
+    assert lane.odds(8) == pytest.approx(engine.odds(8)), "a new lane drafts as lanes did before it"
+    for _ in range(20):
+        lane.record(8, 15, 0)  # this lane's text does not repeat itself
+    assert lane.odds(8) < 0.2, "its own record soon outweighs the engine's"
+    assert engine.odds(8) < trained(8, True).odds(8), "and the engine learns from it too"

@@ -375,15 +375,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     generation.add_argument(
         "--spec-draft-tokens",
         type=_draft_tokens,
-        default=4,
+        default=None,
         metavar="N",
-        help="the most tokens one draft holds, 1 to 15 (default: 4)",
+        help="the most tokens one draft holds, 1 to 15 (default: 15 with --spec-adaptive, which picks each "
+        "draft's length below it; 4 without)",
     )
     generation.add_argument(
         "--spec-adaptive",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="shorten a lane's drafts as fewer of them are taken, and pause drafting where almost none are "
+        help="make each draft as long as pays, from the measured odds that its tokens stand and the measured "
+        "time of a decode by its size, and none where none pays; off, every draft is as long as it may be "
         "(default: on)",
     )
     generation.add_argument(
@@ -586,7 +588,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         lease_renew=args.lease_renew,
         lease_expiry=args.lease_expiry,
         speculate=args.speculate,
-        spec_draft_tokens=args.spec_draft_tokens,
+        spec_draft_tokens=args.spec_draft_tokens or (15 if args.spec_adaptive else 4),
         spec_adaptive=args.spec_adaptive,
         spec_min_speedup=args.spec_min_speedup,
     )

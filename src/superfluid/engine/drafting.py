@@ -29,6 +29,7 @@ log = logging.getLogger("superfluid.engine")
 
 NGRAMS = (3, 2)  # a single token repeats too often to predict what follows it
 AGREEMENT_CAP = 32  # agreement lengths told apart; longer ones count as this
+CANDIDATES = 16  # the latest occurrences of an n-gram weighed as a draft's source
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,14 @@ class Match:
 
 
 class PromptLookup:
-    """One lane's stream and the index of its n-grams: drafts are what followed the latest earlier
-    occurrence of its last three (else two) tokens."""
+    """One lane's stream and the index of its n-grams: a draft is what followed an earlier occurrence of
+    the stream's last three (else two) tokens. Of the recent occurrences, the one whose tokens before
+    agree longest with the stream's is taken (the latest of equals): while a lane copies a passage,
+    its source stays the passage, not the latest place a common n-gram such as ` = a[` appeared."""
 
     def __init__(self, stream: Sequence[int]) -> None:
         self.stream = list(stream)
-        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._at: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions that followed its occurrences
         self._indexed = 0  # the n-grams that end before this position are in the index
         self.lost = False  # a position was skipped: the stream no longer matches the lane's
 
@@ -63,7 +66,7 @@ class PromptLookup:
                 return
             del stream[position:]
             if self._indexed > position:  # the index may name positions that are gone
-                self._after.clear()
+                self._at.clear()
                 self._indexed = 0
         stream.append(token)
 
@@ -71,21 +74,29 @@ class PromptLookup:
         """Where the stream's end occurred before, if it did."""
         if self.lost:
             return None
-        stream, after = self.stream, self._after
+        stream, index = self.stream, self._at
         end = len(stream)
         for e in range(self._indexed, end):  # stream[e - n : e] was followed by stream[e]
             for n in NGRAMS:
                 if e >= n:
-                    after[tuple(stream[e - n : e])] = e
+                    index.setdefault(tuple(stream[e - n : e]), []).append(e)
         self._indexed = max(self._indexed, end)
         for n in NGRAMS:
-            if end > n:
-                at = after.get(tuple(stream[end - n :]))
-                if at is not None:
-                    agreed = n
-                    while agreed < min(AGREEMENT_CAP, at) and stream[at - agreed - 1] == stream[end - agreed - 1]:
-                        agreed += 1
-                    return Match(at, agreed)
+            if end <= n:
+                continue
+            found = index.get(tuple(stream[end - n :]))
+            if not found:
+                continue
+            best = Match(found[-1], n)
+            for at in reversed(found[-CANDIDATES:]):
+                agreed = n
+                while agreed < min(AGREEMENT_CAP, at) and stream[at - agreed - 1] == stream[end - agreed - 1]:
+                    agreed += 1
+                if agreed > best.agreed:
+                    best = Match(at, agreed)
+                    if agreed == AGREEMENT_CAP:
+                        break
+            return best
         return None
 
     def draft(self, match: Match, length: int) -> list[int]:
@@ -98,18 +109,28 @@ class PromptLookup:
 
 class Acceptance:
     """The odds that a drafted token stands, by its agreement: the tokens before it, in the draft and
-    the stream, that equal its source's. Counts decay, so the odds follow the lanes' work."""
+    the stream, that equal its source's. Counts decay, so the odds follow the lanes' work.
+
+    The engine keeps one for all its lanes, and each lane one of its own that starts from it (`shared`):
+    a lane's odds are its own counts plus `WEIGHT` observations' worth of the engine's, so a new lane
+    drafts as lanes did before it, and one whose text repeats itself less (a story after a rewritten
+    file) soon drafts as its own record says."""
 
     PRIOR = 0.8  # optimistic: an agreement never tried is tried, then known
     DECAY = 0.99
+    WEIGHT = 4.0
 
-    def __init__(self) -> None:
-        self._stood = np.full(AGREEMENT_CAP + 1, self.PRIOR)
-        self._tried = np.ones(AGREEMENT_CAP + 1)
+    def __init__(self, shared: Acceptance | None = None) -> None:
+        self.shared = shared
+        start = 0.0 if shared is not None else 1.0
+        self._stood = np.full(AGREEMENT_CAP + 1, self.PRIOR * start)
+        self._tried = np.full(AGREEMENT_CAP + 1, start)
 
     def odds(self, agreed: int) -> float:
         at = min(agreed, AGREEMENT_CAP)
-        return float(self._stood[at] / self._tried[at])
+        if self.shared is None:
+            return float(self._stood[at] / self._tried[at])
+        return float((self._stood[at] + self.WEIGHT * self.shared.odds(at)) / (self._tried[at] + self.WEIGHT))
 
     def record(self, agreed: int, drafted: int, stood: int) -> None:
         """A draft of `drafted` tokens after a match of `agreed`, whose first `stood` tokens stood."""
@@ -117,6 +138,8 @@ class Acceptance:
             at = min(agreed + k, AGREEMENT_CAP)
             self._stood[at] = self._stood[at] * self.DECAY + (k < stood)
             self._tried[at] = self._tried[at] * self.DECAY + 1
+        if self.shared is not None:
+            self.shared.record(agreed, drafted, stood)
 
     def gains(self, agreed: int, longest: int) -> list[float]:
         """The tokens a draft of each length 0..longest is expected to add: the odds that its first k
@@ -129,93 +152,110 @@ class Acceptance:
         return out
 
 
-class DecodeTimes:
-    """Seconds a decode takes by the positions in its batch, as measured (recent decodes weigh most).
+@dataclass
+class Drafter:
+    """One lane's drafting: the lookup over its stream, and its own odds (which start from the engine's)."""
 
-    A size not measured yet is guessed from its neighbours, optimistically above the largest one
-    (each further position a quarter of the per-position cost below it), so that a draft that could
-    pay is tried once and then known."""
+    lookup: PromptLookup
+    acceptance: Acceptance
+
+
+class DecodeTimes:
+    """Seconds a decode takes by its lanes (sequences) and the positions in its batch, as measured (recent
+    decodes weigh most). The lanes count apart because each reads its own KV: eight lanes of one position
+    cost more than one lane of eight.
+
+    A size not measured yet is guessed from the sizes measured for as many lanes: on the line between
+    its neighbours, or optimistically above the largest (each further position a quarter of the
+    per-position cost below it), so that a draft that could pay is tried once and then known."""
 
     WEIGHT = 0.2  # of a new measurement
     GUESS = 0.25
 
     def __init__(self, largest: int) -> None:
-        self._seconds = np.zeros(largest + 1)
-        self._seen = np.zeros(largest + 1, dtype=bool)
+        self._largest = largest
+        self._seconds: dict[int, np.ndarray] = {}  # by lanes, by positions
+        self._seen: dict[int, np.ndarray] = {}
 
-    def add(self, positions: int, seconds: float) -> None:
-        if positions >= len(self._seconds):
+    def add(self, lanes: int, positions: int, seconds: float) -> None:
+        if positions > self._largest:
             return
-        if self._seen[positions]:
-            seconds = (1 - self.WEIGHT) * self._seconds[positions] + self.WEIGHT * seconds
-        self._seconds[positions] = seconds
-        self._seen[positions] = True
+        if lanes not in self._seconds:
+            self._seconds[lanes] = np.zeros(self._largest + 1)
+            self._seen[lanes] = np.zeros(self._largest + 1, dtype=bool)
+        table, seen = self._seconds[lanes], self._seen[lanes]
+        if seen[positions]:
+            seconds = (1 - self.WEIGHT) * table[positions] + self.WEIGHT * seconds
+        table[positions] = seconds
+        seen[positions] = True
 
-    def cost(self, positions: int) -> float | None:
-        """The expected seconds of a decode of `positions`; None before any decode was measured."""
-        seen = np.flatnonzero(self._seen)
-        if not len(seen):
+    def cost(self, lanes: int, positions: int) -> float | None:
+        """The expected seconds of a decode of `positions` over `lanes`; None before any decode of as many
+        lanes was measured."""
+        if lanes not in self._seconds:
             return None
-        positions = min(positions, len(self._seconds) - 1)
-        if self._seen[positions]:
-            return float(self._seconds[positions])
-        below, above = seen[seen < positions], seen[seen > positions]
+        table, seen = self._seconds[lanes], self._seen[lanes]
+        positions = min(positions, self._largest)
+        if seen[positions]:
+            return float(table[positions])
+        measured = np.flatnonzero(seen)
+        below, above = measured[measured < positions], measured[measured > positions]
         if len(below) and len(above):
             lo, hi = int(below[-1]), int(above[0])
-            return float(self._seconds[lo] + (self._seconds[hi] - self._seconds[lo]) * (positions - lo) / (hi - lo))
+            return float(table[lo] + (table[hi] - table[lo]) * (positions - lo) / (hi - lo))
         if len(below):
             lo = int(below[-1])
-            return float(self._seconds[lo] * (1 + self.GUESS * (positions - lo) / lo))
+            return float(table[lo] * (1 + self.GUESS * (positions - lo) / lo))
         hi = int(above[0])
-        return float(self._seconds[hi] * positions / hi)
+        return float(table[hi] * positions / hi)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A lane that may draft this decode: its match and the longest draft it may carry."""
+    """A lane that may draft this decode: the tokens a draft of each length 0..longest is expected to add
+    (`Acceptance.gains`), and whether its length adapts."""
 
-    match: Match
-    longest: int
+    gains: Sequence[float]
     adaptive: bool
 
+    @property
+    def longest(self) -> int:
+        return len(self.gains) - 1
 
-def plan(
-    candidates: Sequence[Candidate], draws: int, positions: int, room: int, acceptance: Acceptance, times: DecodeTimes
-) -> list[int]:
+
+def plan(candidates: Sequence[Candidate], draws: int, positions: int, room: int, times: DecodeTimes) -> list[int]:
     """Each candidate's draft length for a decode that already holds `positions` positions and `draws`
-    drawing rows, with room for `room` more: the lengths that make the decode's expected tokens per
+    drawing lanes, with room for `room` more: the lengths that make the decode's expected tokens per
     second highest (each lane in turn, the others as chosen so far), or every candidate's longest
     where it does not adapt."""
     lengths = [0] * len(candidates)
-    gains: list[list[float]] = []
+    tokens = float(draws)
     for i, c in enumerate(candidates):
-        if c.adaptive:
-            gains.append(acceptance.gains(c.match.agreed, c.longest))
-        else:
+        if not c.adaptive:
             lengths[i] = min(c.longest, room)
             room -= lengths[i]
-            gains.append([])
-    tokens = draws + sum(acceptance.gains(c.match.agreed, n)[-1] for c, n in zip(candidates, lengths, strict=True) if n)
-    positions += sum(lengths)
+            tokens += c.gains[lengths[i]]
+            positions += lengths[i]
     costs: dict[int, float | None] = {}
 
     def cost(size: int) -> float | None:
         if size not in costs:
-            costs[size] = times.cost(size)
+            costs[size] = times.cost(draws, size)
         return costs[size]
 
-    order = sorted((i for i, c in enumerate(candidates) if c.adaptive), key=lambda i: -gains[i][-1])
+    order = sorted((i for i, c in enumerate(candidates) if c.adaptive), key=lambda i: -candidates[i].gains[-1])
     for i in order:
         base = cost(positions)
         if base is None:
             break  # nothing measured yet: this decode measures
+        gains = candidates[i].gains
         best, best_rate = 0, tokens / base
-        for n in range(1, min(len(gains[i]) - 1, room) + 1):
+        for n in range(1, min(len(gains) - 1, room) + 1):
             spent = cost(positions + n)
-            if spent is not None and (tokens + gains[i][n]) / spent > best_rate:
-                best, best_rate = n, (tokens + gains[i][n]) / spent
+            if spent is not None and (tokens + gains[n]) / spent > best_rate:
+                best, best_rate = n, (tokens + gains[n]) / spent
         lengths[i] = best
-        tokens += gains[i][best]
+        tokens += gains[best]
         positions += best
         room -= best
     return lengths

@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from ..protocol.schema import GenParams
-from .drafting import Acceptance, Candidate, DecodeTimes, Match, PromptLookup, plan
+from .drafting import Acceptance, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
 from .llama import ContextShape, EmbeddingContext, EngineError, KVFull, LlamaContext
 from .sampling import sample
@@ -142,8 +142,8 @@ class LocalEngine:
         self.end_of_generation = context.model.end_of_generation
         self._grammars: dict[int, Grammar] = {}
         self._shapers: dict[int, Shaper] = {}
-        self._drafters: dict[int, PromptLookup] = {}
-        self.acceptance = Acceptance()
+        self._drafters: dict[int, Drafter] = {}
+        self.acceptance = Acceptance()  # every lane's odds start from these
         self.decode_times = DecodeTimes(context.shape.batch)
         self._handles = itertools.count(1)
         self._embedder: EmbeddingContext | None = None  # made on the first embedding asked for
@@ -173,7 +173,7 @@ class LocalEngine:
                 step.first_decode_s = took
             step.decodes += 1
             if decode_only:
-                self.decode_times.add(len(batch.tokens) + sum(map(len, drafts)), took)
+                self.decode_times.add(len(lanes), len(batch.tokens) + sum(map(len, drafts)), took)
             row = 0  # the logits rows: each lane's input, then its drafted positions
             for k, i in enumerate(lanes):
                 draft = drafts[k]
@@ -181,8 +181,9 @@ class LocalEngine:
                 row += 1 + len(draft)
                 match = matches[k]
                 if draft and match is not None:
-                    self._settle(draws[i].drafter, int(batch.positions[batch.rows[k]]), lane_seq[i], draft, stood)
-                    self.acceptance.record(match.agreed, len(draft), stood)
+                    drafter = self._drafters[draws[i].drafter]
+                    self._settle(drafter.lookup, int(batch.positions[batch.rows[k]]), lane_seq[i], draft, stood)
+                    drafter.acceptance.record(match.agreed, len(draft), stood)
                     tried, kept = step.spec.get(i, (0, 0))
                     step.spec[i] = (tried + len(draft), kept + stood)
             lanes = [
@@ -212,27 +213,28 @@ class LocalEngine:
         see the whole stream."""
         drafts: list[list[int]] = [[] for _ in lanes]
         matches: list[Match | None] = [None] * len(lanes)
-        candidates: list[tuple[int, PromptLookup, Candidate]] = []
+        candidates: list[tuple[int, PromptLookup, Match]] = []
+        choices: list[Candidate] = []
         for k, i in enumerate(lanes):
             draw = draws[i]
             if not draw.drafter:
                 continue
-            lookup = _opened(self._drafters, draw.drafter, "drafter")
+            drafter = _opened(self._drafters, draw.drafter, "drafter")
             row = batch.rows[k]
-            lookup.feed(int(batch.positions[row]), int(batch.tokens[row]))
+            drafter.lookup.feed(int(batch.positions[row]), int(batch.tokens[row]))
             longest = min(draw.draft, draw.limit - len(drawn[i]) - 1)  # the drafts and the token after them
-            match = lookup.match() if longest > 0 else None
+            match = drafter.lookup.match() if longest > 0 else None
             if match is not None:
-                candidates.append((k, lookup, Candidate(match, min(longest, lookup.available(match)), draw.adaptive)))
+                longest = min(longest, drafter.lookup.available(match))
+                candidates.append((k, drafter.lookup, match))
+                choices.append(Candidate(drafter.acceptance.gains(match.agreed, longest), draw.adaptive))
         if candidates:
             room = self.shape.batch - len(batch.tokens)
-            lengths = plan(
-                [c for _, _, c in candidates], len(lanes), len(batch.tokens), room, self.acceptance, self.decode_times
-            )
-            for (k, lookup, candidate), length in zip(candidates, lengths, strict=True):
+            lengths = plan(choices, len(lanes), len(batch.tokens), room, self.decode_times)
+            for (k, lookup, match), length in zip(candidates, lengths, strict=True):
                 if length:
-                    drafts[k] = lookup.draft(candidate.match, length)
-                    matches[k] = candidate.match
+                    drafts[k] = lookup.draft(match, length)
+                    matches[k] = match
         return drafts, matches
 
     def _decode(self, batch: Batch, drafts: list[list[int]]) -> tuple[np.ndarray, float, list[list[int]]]:
@@ -260,12 +262,11 @@ class LocalEngine:
             picks.append(self._pick(step, i, logits[row + 1 + j], replace(draw, position=draw.position + len(picks))))
         return len(draft)
 
-    def _settle(self, drafter: int, position: int, seq: int, draft: list[int], stood: int) -> None:
+    def _settle(self, lookup: PromptLookup, position: int, seq: int, draft: list[int], stood: int) -> None:
         """After a draft behind the input at `position`: the lane's KV loses the drafted tokens that did
-        not stand, and its drafter takes those that did (they are inputs now)."""
+        not stand, and its lookup takes those that did (they are inputs now)."""
         if stood < len(draft):
             self.context.truncate(seq, position + 1 + stood)
-        lookup = self._drafters[drafter]
         for j in range(stood):
             lookup.feed(position + 1 + j, draft[j])
 
@@ -339,7 +340,7 @@ class LocalEngine:
 
     def open_drafter(self, stream: list[int]) -> int:
         handle = next(self._handles)
-        self._drafters[handle] = PromptLookup(stream)
+        self._drafters[handle] = Drafter(PromptLookup(stream), Acceptance(self.acceptance))
         return handle
 
     def close_drafter(self, handle: int) -> None:

@@ -231,7 +231,8 @@ class Scheduler:
         self.lanes: list[Lane] = []
         self.background_divisor = 1
         self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
-        self._decode_step_s = 0.0  # seconds per step of the last steps that only decoded
+        # seconds per decode of the last steps that only decoded, without drafts and with them allowed
+        self._decode_step_s = {False: 0.0, True: 0.0}
         self._urgent_until = 0.0  # monotonic time until which steps stay short
         self._queue: list[Job] = []
         self._order = itertools.count()
@@ -785,8 +786,8 @@ class Scheduler:
         draws = []
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
-        run = self._run_length(plan) if decode_only else 1
         draft = self._draft_length(len(plan), decode_only)
+        run = self._run_length(plan, draft > 0) if decode_only else 1
         for lane, chunk, start in plan:
             end += len(chunk)
             job = lane.job
@@ -834,7 +835,7 @@ class Scheduler:
         decodes = step.decodes
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
-        self._measure(plan, took, total, decodes if decode_only else 0)
+        self._measure(plan, took, total, decodes if decode_only else 0, draft > 0)
         if decode_only and self.gate is not None:
             self.gate.record(len(plan), total, took)
         jobs = {index: lane.job for lane, index in owners}
@@ -864,17 +865,23 @@ class Scheduler:
         self.stats.spec_proposed += proposed
         self.stats.spec_accepted += accepted
 
-    def _run_length(self, plan: list[tuple[Lane, list[int], int]]) -> int:
-        """How many tokens each lane of a step that only decodes may draw in one engine call."""
-        if not self._decode_step_s or self._queue or self.background_divisor > 1:
+    def _run_length(self, plan: list[tuple[Lane, list[int], int]], drafting: bool) -> int:
+        """How many decodes a step that only decodes may make in one engine call (each lane draws a token a
+        decode, more where its drafts stand); `drafting` says whether its lanes may draft, which makes a
+        decode dearer."""
+        step_s = self._decode_step_s[drafting]
+        if not step_s or self._queue or self.background_divisor > 1:
             return 1  # the first decode-only step measures; an arrival or a throttle wants every step
         if any(lane.job.shaping is not None and lane.job.shaping.logprobs >= 0 for lane, _, _ in plan):
             return 1  # log probabilities come back one row per call
-        return max(1, min(MAX_RUN, int(min(RUN_S, self.tick_s) / self._decode_step_s)))
+        return max(1, min(MAX_RUN, int(min(RUN_S, self.tick_s) / step_s)))
 
-    def _measure(self, plan: list[tuple[Lane, list[int], int]], took: float, drawn: int, decodes: int) -> None:
+    def _measure(
+        self, plan: list[tuple[Lane, list[int], int]], took: float, drawn: int, decodes: int, drafting: bool
+    ) -> None:
         """The engine's rates as /slots shows them: a step that prefills counts for prefill (its cost is
-        mostly the prompt's), one that only decodes for decode (over the `decodes` calls it made)."""
+        mostly the prompt's), one that only decodes for decode (over the `decodes` calls it made, with
+        drafts allowed or not)."""
         prefilled = sum(len(chunk) for lane, chunk, _ in plan if not lane.job.generated)
         stats = self.stats
         if prefilled:
@@ -882,7 +889,7 @@ class Scheduler:
         else:
             stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, drawn / took)
         if decodes:
-            self._decode_step_s = _smoothed(self._decode_step_s, took / decodes)
+            self._decode_step_s[drafting] = _smoothed(self._decode_step_s[drafting], took / decodes)
 
     def _retire_prefilled(self) -> bool:
         done = [lane for lane in self.lanes if lane.job.prefill_only and not lane.feed]

@@ -7,8 +7,8 @@ step how long its drafts may be, and counts what they saved.
 
 `SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load:
 for each batch size apart, it measures the decode rate of steps with drafts allowed and
-without, alternately, keeps drafting while it is at least `min_speedup` faster, and measures
-again every thousand steps.
+without, in turns, keeps drafting while it is at least `min_speedup` faster, and measures
+again after 64 steps, and twice as long after each decision that stood, up to 1,024.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 log = logging.getLogger("superfluid.scheduler")
 
 PROBE_STEPS = 12  # decode-only steps (engine calls, each up to a run of tokens) measured each way
-HOLD_STEPS = 1000  # steps a decision stands before the next probe
+HOLD_MIN = 64  # steps a new decision stands before the next probe
+HOLD_STEPS = 1024  # and the longest, for one that kept standing
 
 
 @dataclass(frozen=True)
@@ -58,48 +59,57 @@ class SpecGate:
 
 
 class SpecProbe:
-    """One batch size's decision: probes without drafts, then with them, keeps the faster for a while."""
+    """One batch size's decision: probes steps without drafts and with them in turns (so both see the same
+    stretch of text and the same machine), keeps the faster for a while, and probes again.
+
+    A decision that stands when probed again holds twice as long the next time, from `HOLD_MIN` up to
+    `HOLD_STEPS` steps; one that flips holds `HOLD_MIN` steps again: a probe made while the engine was
+    still learning its lanes' odds is soon corrected."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
-        self.phase = "off"  # "off" or "on": the probe under way, then "hold"
+        self.probing = True
         self.drafting = False
+        self.hold = HOLD_MIN
         self._steps = 0
-        self._rate: dict[str, tuple[int, float]] = {"off": (0, 0.0), "on": (0, 0.0)}  # tokens, seconds
+        self._rate: dict[bool, tuple[int, float]] = {False: (0, 0.0), True: (0, 0.0)}  # tokens, seconds
         self.speedup = 0.0  # the last probe's measured ratio
+
+    @property
+    def phase(self) -> str:
+        return "probe" if self.probing else "hold"
 
     def allows(self) -> bool:
         """True when this step may carry drafts."""
-        return self.drafting if self.phase == "hold" else self.phase == "on"
+        return self._steps % 2 == 1 if self.probing else self.drafting
 
     def record(self, tokens: int, seconds: float) -> None:
         """A decode-only step: the tokens it drew and its time."""
+        if self.probing:
+            drafted = self.allows()
+            count, took = self._rate[drafted]
+            self._rate[drafted] = (count + tokens, took + seconds)
         self._steps += 1
-        if self.phase in self._rate:
-            count, took = self._rate[self.phase]
-            self._rate[self.phase] = (count + tokens, took + seconds)
-            if self._steps >= PROBE_STEPS:
-                self._steps = 0
-                if self.phase == "off":
-                    self.phase = "on"
-                else:
-                    self._decide()
-        elif self._steps >= HOLD_STEPS:
-            self._steps = 0
-            self.phase = "off"
-            self._rate = {"off": (0, 0.0), "on": (0, 0.0)}
+        if self.probing and self._steps >= 2 * PROBE_STEPS:
+            self._decide()
+        elif not self.probing and self._steps >= self.hold:
+            self.probing, self._steps = True, 0
+            self._rate = {False: (0, 0.0), True: (0, 0.0)}
 
     def _decide(self) -> None:
-        (off_tokens, off_s), (on_tokens, on_s) = self._rate["off"], self._rate["on"]
+        (off_tokens, off_s), (on_tokens, on_s) = self._rate[False], self._rate[True]
         off, on = off_tokens / max(off_s, 1e-9), on_tokens / max(on_s, 1e-9)
         self.speedup = on / off if off else 0.0
-        self.drafting = self.speedup >= self.min_speedup
-        self.phase = "hold"
+        drafting = self.speedup >= self.min_speedup
+        self.hold = min(2 * self.hold, HOLD_STEPS) if drafting == self.drafting else HOLD_MIN
+        self.drafting, self.probing, self._steps = drafting, False, 0
         log.info(
-            "speculation %s: drafts measured %.2fx plain decoding (%.0f vs %.0f tok/s; kept at %.2fx or more)",
-            "on" if self.drafting else "off",
+            "speculation %s: drafts measured %.2fx plain decoding (%.0f vs %.0f tok/s; kept at %.2fx or more); "
+            "probed again in %d steps",
+            "on" if drafting else "off",
             self.speedup,
             on,
             off,
             self.min_speedup,
+            self.hold,
         )
