@@ -515,9 +515,9 @@ def test_auto_stops_drafting_where_drafts_are_not_taken() -> None:
     # drafted positions cost decode time, as they do in llama.cpp: drafts that are never taken are a
     # clear loss, whatever the machine's timer noise
     scheduler = speculating("auto", _noise, delay=0.001, position_delay=0.001)
-    out = generate_on(scheduler, prompts, 400)
+    out = generate_on(scheduler, prompts, 480)
     plain = Scheduler(FakeEngine(sequences=4, window=512, model=_noise), lanes=2, window=512)
-    assert out == generate_on(plain, prompts, 400)
+    assert out == generate_on(plain, prompts, 480)
     assert scheduler.gate is not None
     probe = scheduler.gate.probe(1)
     assert probe.speedup and not probe.drafting, "it probed, and drafts did not pay"

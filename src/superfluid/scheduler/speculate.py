@@ -8,7 +8,8 @@ step how long its drafts may be, and counts what they saved.
 `SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load:
 for each batch size apart, it measures the decode rate of steps with drafts allowed and
 without, in turns, keeps drafting while it is at least `min_speedup` faster, and measures
-again after 64 steps, and twice as long after each decision that stood, up to 1,024.
+again soon after a new decision, and twice as late after each decision that stood, up to 1,024
+steps later.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger("superfluid.scheduler")
 
-PROBE_STEPS = 12  # decode-only steps (engine calls, each up to a run of tokens) measured each way
-HOLD_MIN = 64  # steps a new decision stands before the next probe
+# decode-only steps (engine calls, each up to a run of tokens) measured each way: a step's tokens vary
+# with the text (a copied stretch drafts well, the line after it not), so a probe takes a few dozen
+PROBE_STEPS = 24
+HOLD_MIN = 24  # steps a new decision stands before the next probe: the engine learned its odds meanwhile
 HOLD_STEPS = 1024  # and the longest, for one that kept standing
 
 
