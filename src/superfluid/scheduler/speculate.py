@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 log = logging.getLogger("superfluid.scheduler")
 
-# decode-only steps (engine calls, each up to a run of tokens) measured each way: a step's tokens vary
-# with the text (a copied stretch drafts well, the line after it not), so a probe takes a few dozen
-PROBE_STEPS = 24
-HOLD_MIN = 24  # steps a new decision stands before the next probe: the engine learned its odds meanwhile
+# decode-only steps (engine calls, each up to a run of tokens) a probe measures, and one in how many of
+# them goes without drafts
+PROBE_STEPS = 32
+PLAIN_EVERY = 4
+HOLD_MIN = 32  # steps a new decision stands before the next probe: the engine learned its odds meanwhile
 HOLD_STEPS = 1024  # and the longest, for one that kept standing
 
 
@@ -65,14 +66,17 @@ class SpecProbe:
     """One batch size's decision: probes steps without drafts and with them in turns (so both see the same
     stretch of text and the same machine), keeps the faster for a while, and probes again.
 
+    A plain step's rate hardly depends on the text, a drafting one's does (a copied stretch drafts well,
+    the line after it not): of a probe's `PROBE_STEPS` steps, one in `PLAIN_EVERY` goes without drafts.
     A decision that stands when probed again holds twice as long the next time, from `HOLD_MIN` up to
-    `HOLD_STEPS` steps; one that flips holds `HOLD_MIN` steps again: a probe made while the engine was
-    still learning its lanes' odds is soon corrected."""
+    `HOLD_STEPS` steps; a first one, or one that flips, holds `HOLD_MIN` steps: a probe made while the
+    engine was still learning its lanes' odds is soon corrected."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
         self.probing = True
         self.drafting = False
+        self.decisions = 0
         self.hold = HOLD_MIN
         self._steps = 0
         self._rate: dict[bool, tuple[int, float]] = {False: (0, 0.0), True: (0, 0.0)}  # tokens, seconds
@@ -84,7 +88,7 @@ class SpecProbe:
 
     def allows(self) -> bool:
         """True when this step may carry drafts."""
-        return self._steps % 2 == 1 if self.probing else self.drafting
+        return self._steps % PLAIN_EVERY != 0 if self.probing else self.drafting
 
     def record(self, tokens: int, seconds: float) -> None:
         """A decode-only step: the tokens it drew and its time."""
@@ -93,7 +97,7 @@ class SpecProbe:
             count, took = self._rate[drafted]
             self._rate[drafted] = (count + tokens, took + seconds)
         self._steps += 1
-        if self.probing and self._steps >= 2 * PROBE_STEPS:
+        if self.probing and self._steps >= PROBE_STEPS:
             self._decide()
         elif not self.probing and self._steps >= self.hold:
             self.probing, self._steps = True, 0
@@ -104,8 +108,10 @@ class SpecProbe:
         off, on = off_tokens / max(off_s, 1e-9), on_tokens / max(on_s, 1e-9)
         self.speedup = on / off if off else 0.0
         drafting = self.speedup >= self.min_speedup
-        self.hold = min(2 * self.hold, HOLD_STEPS) if drafting == self.drafting else HOLD_MIN
+        stood = self.decisions and drafting == self.drafting
+        self.hold = min(2 * self.hold, HOLD_STEPS) if stood else HOLD_MIN
         self.drafting, self.probing, self._steps = drafting, False, 0
+        self.decisions += 1
         log.info(
             "speculation %s: drafts measured %.2fx plain decoding (%.0f vs %.0f tok/s; kept at %.2fx or more); "
             "probed again in %d steps",
