@@ -376,11 +376,17 @@ def test_unloading_a_model_whose_workers_keep_dying_starts_no_new_one(tmp_path: 
 
         second = next(m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"] if not m["default"])
         pid = second_worker()
-        for _ in range(5):  # five deaths before any step: the next restart waits 0.25 * 2**4 = 4 s
+        deadline = time.monotonic() + 60
+        while proc.log.read_text().count("this machine prefills") < 2:  # each model's first worker has served
+            assert time.monotonic() < deadline, "the park's rates were never measured"
+            time.sleep(0.05)
+        for _ in range(6):  # the first had served; then five deaths before any step: the next waits 4 s
             os.kill(pid, signal.SIGKILL)
             pid = second_worker(not_pid=pid)
-        os.kill(pid, signal.SIGKILL)  # the sixth: its restart waits 8 s
+        os.kill(pid, signal.SIGKILL)  # the sixth unserved: its restart waits 8 s
+        deadline = time.monotonic() + 30
         while "keep dying (6 in a minute)" not in proc.log.read_text():
+            assert time.monotonic() < deadline, "six workers died unserved, and no restart waited"
             time.sleep(0.05)
         started = time.monotonic()
         unloaded = httpx.post(f"{proc.url}/v1/models/unload", json={"model": second}, timeout=60)

@@ -281,8 +281,8 @@ class LocalEngine:
         token = self._draw(row, draw)
         shaper.accept(token)
         if raw is not None:
-            if draw.limit > 1:
-                raise EngineError("a draw that asks for log probabilities draws one token")
+            if draw.run > 1 or draw.draft:
+                raise EngineError("a draw that asks for log probabilities runs one decode and drafts nothing")
             step.logprobs[index] = log_softmax_row(raw, token, asked)
         return token
 
