@@ -1,9 +1,8 @@
 """Speculative decoding's figures: decode tok/s with drafts against without, in one run.
 
 Three daemons are up at once, `--speculate off`, `prompt-lookup` and `auto` (each at its
-default draft settings), and take turns measure by measure, three rounds of each (this machine
-drifts by 10-20% over minutes; a figure is the median round's). Two workloads, at 1, 4 and 8
-concurrent streams: an agent rewriting a 40-line Python module with type hints (it repeats
+default draft settings), and take turns measure by measure (this machine drifts by 10-20% over
+minutes; a figure is the median of five rounds). Two workloads, at 1, 4 and 8 concurrent streams: an agent rewriting a 40-line Python module with type hints (it repeats
 most of what it was shown: what prompt lookup drafts well; the embedded model copies it rather
 than adding the hints), and free-form chat (less to draft: where `auto` must cost nothing).
 Each stream is 256 greedy tokens.
@@ -22,6 +21,7 @@ from superfluid.metrics import read_metric
 
 MODES = ("off", "prompt-lookup", "auto")
 TOKENS = 256
+ROUNDS = 5  # of each measure, taking turns: a figure is the median round's
 LOG_GATE = ("--log-filter", "superfluid.scheduler=info,warn")
 
 
@@ -98,7 +98,7 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         seed = 1
         for workload, make in (("rewrite", rewrite), ("chat", chat)):
             for streams in (1, 4, 8):
-                for _ in range(1 if quick else 3):
+                for _ in range(1 if quick else ROUNDS):
                     for mode, daemon in daemons.items():
                         chats = [make(seed + i) for i in range(streams)]
                         rate = load.decode_rate(load.together(daemon.url, chats))

@@ -150,3 +150,15 @@ def test_a_lane_starts_from_the_engines_odds_and_moves_to_its_own() -> None:
         lane.record(8, 15, 0)  # this lane's text does not repeat itself
     assert lane.odds(8) < 0.2, "its own record soon outweighs the engine's"
     assert engine.odds(8) < trained(8, True).odds(8), "and the engine learns from it too"
+
+
+def test_a_size_not_measured_lately_is_guessed_again() -> None:
+    times = DecodeTimes(64)
+    times.add(1, 1, 1.0)
+    times.add(1, 9, 90.0)  # one decode slowed by something else on the machine
+    times.add(1, 17, 5.0)
+    assert times.cost(1, 9) == 90.0, "fresh: it stands, and no draft of that size is tried"
+    for _ in range(DecodeTimes.FRESH):
+        times.add(1, 1, 1.0)
+        times.add(1, 17, 5.0)
+    assert times.cost(1, 9) == pytest.approx(3.0), "old: the line between the sizes measured lately"

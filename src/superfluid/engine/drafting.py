@@ -165,41 +165,49 @@ class DecodeTimes:
     decodes weigh most). The lanes count apart because each reads its own KV: eight lanes of one position
     cost more than one lane of eight.
 
-    A size not measured yet is guessed from the sizes measured for as many lanes: on the line between
-    its neighbours, or optimistically above the largest (each further position a quarter of the
-    per-position cost below it), so that a draft that could pay is tried once and then known."""
+    A size not measured lately (in the last `FRESH` decodes of as many lanes) is guessed from those that
+    were: on the line between its neighbours, or optimistically above the largest (each further position
+    a quarter of the per-position cost below it). So a draft that could pay is tried and then known, and
+    a size that one slow decode made look dear is tried again once its measurement is old."""
 
     WEIGHT = 0.2  # of a new measurement
     GUESS = 0.25
+    FRESH = 256
 
     def __init__(self, largest: int) -> None:
         self._largest = largest
         self._seconds: dict[int, np.ndarray] = {}  # by lanes, by positions
-        self._seen: dict[int, np.ndarray] = {}
+        self._measured: dict[int, np.ndarray] = {}  # by lanes, by positions: the decode count at its last measure
+        self._decodes: dict[int, int] = {}
 
     def add(self, lanes: int, positions: int, seconds: float) -> None:
         if positions > self._largest:
             return
         if lanes not in self._seconds:
             self._seconds[lanes] = np.zeros(self._largest + 1)
-            self._seen[lanes] = np.zeros(self._largest + 1, dtype=bool)
-        table, seen = self._seconds[lanes], self._seen[lanes]
-        if seen[positions]:
+            self._measured[lanes] = np.full(self._largest + 1, -self.FRESH - 1)
+            self._decodes[lanes] = 0
+        table, measured = self._seconds[lanes], self._measured[lanes]
+        count = self._decodes[lanes] = self._decodes[lanes] + 1
+        if count - measured[positions] <= self.FRESH:
             seconds = (1 - self.WEIGHT) * table[positions] + self.WEIGHT * seconds
         table[positions] = seconds
-        seen[positions] = True
+        measured[positions] = count
 
     def cost(self, lanes: int, positions: int) -> float | None:
         """The expected seconds of a decode of `positions` over `lanes`; None before any decode of as many
         lanes was measured."""
         if lanes not in self._seconds:
             return None
-        table, seen = self._seconds[lanes], self._seen[lanes]
+        table = self._seconds[lanes]
+        fresh = self._decodes[lanes] - self._measured[lanes] <= self.FRESH
         positions = min(positions, self._largest)
-        if seen[positions]:
+        if fresh[positions]:
             return float(table[positions])
-        measured = np.flatnonzero(seen)
-        below, above = measured[measured < positions], measured[measured > positions]
+        known = np.flatnonzero(fresh)
+        if not len(known):
+            return None
+        below, above = known[known < positions], known[known > positions]
         if len(below) and len(above):
             lo, hi = int(below[-1]), int(above[0])
             return float(table[lo] + (table[hi] - table[lo]) * (positions - lo) / (hi - lo))
