@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from superfluid.engine import wire
+from superfluid.engine.drafting import Arm
 from superfluid.engine.local import Draw, Step
 from superfluid.engine.shaping import LogprobRow, Shaper, Shaping, log_softmax_row
 from superfluid.logprobs import LogprobText
@@ -64,15 +65,16 @@ def test_shaping_and_drawn_logprobs_cross_the_channel_whole() -> None:
     payload = wire.encode_shaping(shaping, [7, 8, 9])
     assert wire.decode_shaping(memoryview(payload)) == (shaping, [7, 8, 9])
     rows = {1: LogprobRow(5, -0.5, ((5, -0.5), (2, -1.25))), 2: LogprobRow(6, -2.0, ())}
-    for drawn, logprobs, spec, decodes in (
-        ([[3, 4, 8], [5], [6]], rows, {0: (4, 2)}, 3),
-        ([[3]], {}, {}, 1),
-        ([[3, 9], [], [1]], {}, {0: (1, 1), 2: (15, 0)}, 2),
+    for drawn, logprobs, spec, decodes, arms in (
+        ([[3, 4, 8], [5], [6]], rows, {0: (4, 2)}, 3, (Arm(2, 9, 0.05), Arm(1, 3, 0.0125))),
+        ([[3]], {}, {}, 1, (Arm(), Arm())),
+        ([[3, 9], [], [1]], {}, {0: (1, 1), 2: (15, 0)}, 2, (Arm(1, 2, 0.5), Arm())),
     ):
-        sent = Step(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [draw] * len(drawn), logprobs, spec, decodes)
-        got = Step(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [draw] * len(drawn))
+        empty = [np.zeros(0)] * 4
+        sent = Step(*empty, [draw] * len(drawn), logprobs, spec, decodes=decodes, drafted=arms[0], plain=arms[1])
+        got = Step(*empty, [draw] * len(drawn))
         assert wire.decode_drawn(memoryview(wire.encode_drawn(sent, drawn)), got) == drawn
-        assert (got.logprobs, got.spec, got.decodes) == (logprobs, spec, decodes)
+        assert (got.logprobs, got.spec, got.decodes, (got.drafted, got.plain)) == (logprobs, spec, decodes, arms)
     step = Step(
         np.arange(2, dtype=np.int32),
         np.arange(2, dtype=np.int32),
@@ -80,7 +82,9 @@ def test_shaping_and_drawn_logprobs_cross_the_channel_whole() -> None:
         np.array([0, 1], dtype=np.int8),
         [Draw(GenParams(0.5, 1.0, 0.0, 40, 9), 77, True, 3, 5, 6, 12, 4, 7, False)],
     )
+    step.probe = True
     back = wire.decode_step(memoryview(wire.encode_step(step)))
+    assert back.probe, "a step says whether it is a trial of drafting"
     assert back.draws == step.draws, "a draw names its shaping, its run, its limit and its drafter"
 
 

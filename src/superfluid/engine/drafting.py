@@ -28,6 +28,7 @@ import numpy as np
 log = logging.getLogger("superfluid.engine")
 
 NGRAMS = (3, 2)  # a single token repeats too often to predict what follows it
+PLAIN_EVERY = 4  # in a probe, one decode in this many where drafts are planned goes without them
 AGREEMENT_CAP = 32  # agreement lengths told apart; longer ones count as this
 CANDIDATES = 16  # the latest occurrences of an n-gram weighed as a draft's source
 
@@ -150,6 +151,25 @@ class Acceptance:
             total += standing
             out.append(total)
         return out
+
+
+@dataclass
+class Arm:
+    """Decodes of one arm of a trial (`--speculate auto`'s probe): how many, the tokens they drew, their
+    seconds (drafting, decoding and drawing included)."""
+
+    decodes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Arm) -> None:
+        self.decodes += other.decodes
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from ..protocol.schema import GenParams
-from .drafting import Acceptance, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
+from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
 from .llama import ContextShape, EmbeddingContext, EngineError, KVFull, LlamaContext
 from .sampling import sample
@@ -69,6 +69,10 @@ class Step:
     that stood) for the draws that drafted, `decodes`, the llama_decode calls it made, and
     `first_decode_s`, the time of the decode of the step's own batch (what the runs after it
     take is not in it).
+
+    A step that `probe`s is a trial of drafting (`--speculate auto`): of its decodes where drafts
+    are planned, one in `PLAIN_EVERY` goes without them, and `drafted` and `plain` sum up the
+    two arms, so the gate compares drafts with none where the engine would draft.
     """
 
     tokens: np.ndarray
@@ -78,8 +82,11 @@ class Step:
     draws: list[Draw]
     logprobs: dict[int, LogprobRow] = field(default_factory=dict)
     spec: dict[int, tuple[int, int]] = field(default_factory=dict)
+    probe: bool = False
     decodes: int = 0
     first_decode_s: float = 0.0
+    drafted: Arm = field(default_factory=Arm)
+    plain: Arm = field(default_factory=Arm)
 
 
 class Engine(Protocol):
@@ -145,6 +152,7 @@ class LocalEngine:
         self._drafters: dict[int, Drafter] = {}
         self.acceptance = Acceptance()  # every lane's odds start from these
         self.decode_times = DecodeTimes(context.shape.batch)
+        self._trials = 0  # decodes of probes where drafts were planned
         self._handles = itertools.count(1)
         self._embedder: EmbeddingContext | None = None  # made on the first embedding asked for
         self._embedding = threading.Lock()  # one embedding at a time: requests come from several threads
@@ -162,7 +170,15 @@ class LocalEngine:
         lanes = list(range(len(draws)))  # the draws still drawing, in their rows' order
         decode_only = bool(step.want.all())  # no prompt in the batch: its time is a decode's
         while True:
+            started = time.perf_counter()
             drafts, matches = self._drafts(draws, lanes, batch, drawn)
+            arm = None
+            if step.probe and any(drafts):
+                self._trials += 1
+                arm = step.plain if self._trials % PLAIN_EVERY == 0 else step.drafted
+                if arm is step.plain:
+                    drafts, matches = [[] for _ in lanes], [None] * len(lanes)
+            before = sum(len(drawn[i]) for i in lanes)
             try:
                 logits, took, drafts = self._decode(batch, drafts)
             except KVFull:
@@ -186,6 +202,9 @@ class LocalEngine:
                     drafter.acceptance.record(match.agreed, len(draft), stood)
                     tried, kept = step.spec.get(i, (0, 0))
                     step.spec[i] = (tried + len(draft), kept + stood)
+            if arm is not None:
+                drew = sum(len(drawn[i]) for i in lanes) - before
+                arm.add(Arm(1, drew, time.perf_counter() - started))
             lanes = [
                 i
                 for i in lanes

@@ -4,7 +4,8 @@ A frame is a `u32` little-endian length, then a one-byte kind, then its payload.
 is one request frame answered by one reply frame, in order. A step travels as a small
 header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
 then one packed record per draw) and comes back as how many tokens each draw drew, their
-ids, what each draw drafted and kept, and how many decodes the call made, so a tick's traffic
+ids, what each draw drafted and kept, how many decodes the call made and, for a step that
+probes drafting, its two arms, so a tick's traffic
 is a few hundred bytes whatever the vocabulary. Only draws whose shaping asks for log
 probabilities add a fixed-size record each to the reply. A job's shaping (bias, penalties,
 how many log probabilities) travels once, when it is opened, and so does the stream a
@@ -24,6 +25,7 @@ import struct
 import numpy as np
 
 from ..protocol.schema import GenParams
+from .drafting import Arm
 from .local import Draw, Step
 from .shaping import MAX_TOP_LOGPROBS, LogprobRow, Shaping
 
@@ -64,7 +66,8 @@ LOGPROBS = np.dtype(
         ("values", "<f4", (MAX_TOP_LOGPROBS,)),
     ]
 )
-_HEAD = struct.Struct("<II")  # tokens in the batch, draws
+_HEAD = struct.Struct("<IIB")  # tokens in the batch, draws, whether the step probes
+_ARM = struct.Struct("<IId")  # decodes, tokens, seconds
 _SHAPING = struct.Struct("<fffiII")  # presence, frequency, repeat, logprobs, biased tokens, recent tokens
 _LENGTH = struct.Struct("<I")
 _DECODES = struct.Struct("<I")  # a step reply's llama_decode calls
@@ -157,7 +160,7 @@ def encode_step(step: Step) -> bytes:
         )
     return b"".join(
         (
-            _HEAD.pack(len(step.tokens), len(step.draws)),
+            _HEAD.pack(len(step.tokens), len(step.draws), step.probe),
             np.ascontiguousarray(step.tokens, dtype="<i4").tobytes(),
             np.ascontiguousarray(step.positions, dtype="<i4").tobytes(),
             np.ascontiguousarray(step.seqs, dtype="<i4").tobytes(),
@@ -168,7 +171,7 @@ def encode_step(step: Step) -> bytes:
 
 
 def decode_step(payload: memoryview) -> Step:
-    n, m = _HEAD.unpack_from(payload)
+    n, m, probe = _HEAD.unpack_from(payload)
     at = _HEAD.size
     arrays = []
     for dtype, size in (("<i4", 4), ("<i4", 4), ("<i4", 4), ("i1", 1)):
@@ -190,18 +193,19 @@ def decode_step(payload: memoryview) -> Step:
         )
         for r in records
     ]
-    return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws)
+    return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws, probe=bool(probe))
 
 
 def encode_drawn(step: Step, drawn: list[list[int]]) -> bytes:
-    """A step's reply: the decodes it made, how many tokens each draw drew, their ids, each draw's
-    drafted and kept tokens, then a record per draw that asked for log probabilities."""
+    """A step's reply: the decodes it made, its trial's two arms, how many tokens each draw drew, their
+    ids, each draw's drafted and kept tokens, then a record per draw that asked for log probabilities."""
     counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
     ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
     spec = np.zeros((2, len(drawn)), dtype="<u4")
     for draw, (drafted, kept) in step.spec.items():
         spec[:, draw] = drafted, kept
-    head = _DECODES.pack(step.decodes) + counts.tobytes() + ids.tobytes() + spec.tobytes()
+    arms = b"".join(_ARM.pack(arm.decodes, arm.tokens, arm.seconds) for arm in (step.drafted, step.plain))
+    head = _DECODES.pack(step.decodes) + arms + counts.tobytes() + ids.tobytes() + spec.tobytes()
     if not step.logprobs:
         return head
     rows = np.zeros(len(step.logprobs), dtype=LOGPROBS)
@@ -213,10 +217,13 @@ def encode_drawn(step: Step, drawn: list[list[int]]) -> bytes:
 
 
 def decode_drawn(payload: memoryview, step: Step) -> list[list[int]]:
-    """The tokens each draw drew; the step's `decodes`, `spec` and `logprobs` are filled in."""
+    """The tokens each draw drew; the step's `decodes`, trial arms, `spec` and `logprobs` are filled in."""
     draws = len(step.draws)
     (step.decodes,) = _DECODES.unpack_from(payload)
     at = _DECODES.size
+    step.drafted = Arm(*_ARM.unpack_from(payload, at))
+    step.plain = Arm(*_ARM.unpack_from(payload, at + _ARM.size))
+    at += 2 * _ARM.size
     counts = np.frombuffer(payload, dtype="<u4", count=draws, offset=at)
     total = int(counts.sum())
     at += 4 * draws

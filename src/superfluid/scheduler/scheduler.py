@@ -809,7 +809,7 @@ class Scheduler:
                         self.speculation is None or self.speculation.adaptive,
                     )
                 )
-        step = Step(tokens, positions, seqs, want, draws)
+        step = Step(tokens, positions, seqs, want, draws, probe=bool(draft) and self._probing(len(plan)))
         while True:
             try:
                 started = time.perf_counter()
@@ -837,7 +837,7 @@ class Scheduler:
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0, draft > 0)
         if decode_only and self.gate is not None:
-            self.gate.record(len(plan), total, took)
+            self.gate.record(len(plan), decodes, step.drafted, step.plain)
         jobs = {index: lane.job for lane, index in owners}
         for index, (proposed, accepted) in step.spec.items():
             self._record_draft(jobs[index], proposed, accepted)
@@ -942,6 +942,10 @@ class Scheduler:
         if settings is None or not decode_only or (self.gate is not None and not self.gate.allows(lanes)):
             return 0
         return settings.draft_tokens
+
+    def _probing(self, lanes: int) -> bool:
+        """Whether a step of this many decoding lanes is a trial of drafting against none (under auto)."""
+        return self.gate is not None and self.gate.probing(lanes)
 
     def _may_draft(self, job: Job) -> bool:
         """Whether a job gets a drafter: not where drafts cannot be verified as the job would draw its

@@ -5,11 +5,10 @@ lane's next tokens from the lane's own stream and verifies them in its decodes
 (`engine/drafting.py`); the scheduler opens a drafter for each job that may draft, tells each
 step how long its drafts may be, and counts what they saved.
 
-`SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load:
-for each batch size apart, it measures the decode rate of steps with drafts allowed and
-without, in turns, keeps drafting while it is at least `min_speedup` faster, and measures
-again soon after a new decision, and twice as late after each decision that stood, up to 1,024
-steps later.
+`SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load, for
+each batch size apart: it has the engine try, where it plans drafts, decodes without them now and
+then, keeps drafting while drafts decode at least `min_speedup` times as fast, and probes again
+after a while, and twice as late after each decision that stood.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..engine.drafting import Arm
+
 log = logging.getLogger("superfluid.scheduler")
 
-# decode-only steps (engine calls, each up to a run of tokens) a probe measures, and one in how many of
-# them goes without drafts
-PROBE_STEPS = 32
-PLAIN_EVERY = 4
-HOLD_MIN = 32  # steps a new decision stands before the next probe: the engine learned its odds meanwhile
-HOLD_STEPS = 1024  # and the longest, for one that kept standing
+TRIALS = 8  # plain decodes a probe waits for (three times as many drafting ones come with them)
+HOLD_MIN = 64  # decodes a new decision stands before the next probe
+HOLD_MAX = 2048  # and the longest, for one that kept standing
 
 
 @dataclass(frozen=True)
@@ -44,8 +42,7 @@ class SpecSettings:
 
 class SpecGate:
     """Whether steps may draft (`--speculate auto`), decided apart for each batch size (1, 2-3, 4-7 or 8
-    and more decoding lanes: what pays for one stream can cost eight): each probes without drafts and
-    with them, and keeps the faster."""
+    and more decoding lanes: what pays for one stream can cost eight)."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
@@ -58,19 +55,22 @@ class SpecGate:
     def allows(self, lanes: int) -> bool:
         return self.probe(lanes).allows()
 
-    def record(self, lanes: int, tokens: int, seconds: float) -> None:
-        self.probe(lanes).record(tokens, seconds)
+    def probing(self, lanes: int) -> bool:
+        return self.probe(lanes).probing
+
+    def record(self, lanes: int, decodes: int, drafted: Arm, plain: Arm) -> None:
+        self.probe(lanes).record(decodes, drafted, plain)
 
 
 class SpecProbe:
-    """One batch size's decision: probes steps without drafts and with them in turns (so both see the same
-    stretch of text and the same machine), keeps the faster for a while, and probes again.
+    """One batch size's decision, from trials: while it probes, the engine leaves one in `PLAIN_EVERY` of
+    the decodes where it plans drafts without them (`Step.probe`), so drafting is measured against none
+    on the same stretches of text, the same lanes and the same machine; once `TRIALS` plain ones are in,
+    drafting is kept while its tokens per second are at least `min_speedup` times the plain ones'.
 
-    A plain step's rate hardly depends on the text, a drafting one's does (a copied stretch drafts well,
-    the line after it not): of a probe's `PROBE_STEPS` steps, one in `PLAIN_EVERY` goes without drafts.
-    A decision that stands when probed again holds twice as long the next time, from `HOLD_MIN` up to
-    `HOLD_STEPS` steps; a first one, or one that flips, holds `HOLD_MIN` steps: a probe made while the
-    engine was still learning its lanes' odds is soon corrected."""
+    A decision holds `HOLD_MIN` decodes, then the next probe; a decision that stands when probed again
+    holds twice as long the next time, up to `HOLD_MAX`. Decodes where the engine plans no draft are the
+    same either way, and a probe waits for enough of the others."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
@@ -78,8 +78,8 @@ class SpecProbe:
         self.drafting = False
         self.decisions = 0
         self.hold = HOLD_MIN
-        self._steps = 0
-        self._rate: dict[bool, tuple[int, float]] = {False: (0, 0.0), True: (0, 0.0)}  # tokens, seconds
+        self._decodes = 0
+        self._drafted, self._plain = Arm(), Arm()
         self.speedup = 0.0  # the last probe's measured ratio
 
     @property
@@ -87,38 +87,39 @@ class SpecProbe:
         return "probe" if self.probing else "hold"
 
     def allows(self) -> bool:
-        """True when this step may carry drafts."""
-        return self._steps % PLAIN_EVERY != 0 if self.probing else self.drafting
+        """True when this step may carry drafts (a probe's steps do: the engine leaves some plain)."""
+        return self.probing or self.drafting
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A decode-only step: the tokens it drew and its time."""
+    def record(self, decodes: int, drafted: Arm, plain: Arm) -> None:
+        """A decode-only step: its decodes, and its trial's two arms."""
         if self.probing:
-            drafted = self.allows()
-            count, took = self._rate[drafted]
-            self._rate[drafted] = (count + tokens, took + seconds)
-        self._steps += 1
-        if self.probing and self._steps >= PROBE_STEPS:
-            self._decide()
-        elif not self.probing and self._steps >= self.hold:
-            self.probing, self._steps = True, 0
-            self._rate = {False: (0, 0.0), True: (0, 0.0)}
+            self._drafted.add(drafted)
+            self._plain.add(plain)
+            if self._plain.decodes >= TRIALS:
+                self._decide()
+            return
+        self._decodes += decodes
+        if self._decodes >= self.hold:
+            self.probing, self._decodes = True, 0
+            self._drafted, self._plain = Arm(), Arm()
 
     def _decide(self) -> None:
-        (off_tokens, off_s), (on_tokens, on_s) = self._rate[False], self._rate[True]
-        off, on = off_tokens / max(off_s, 1e-9), on_tokens / max(on_s, 1e-9)
-        self.speedup = on / off if off else 0.0
+        drafted, plain = self._drafted.rate, self._plain.rate
+        self.speedup = drafted / plain if plain else 0.0
         drafting = self.speedup >= self.min_speedup
         stood = self.decisions and drafting == self.drafting
-        self.hold = min(2 * self.hold, HOLD_STEPS) if stood else HOLD_MIN
-        self.drafting, self.probing, self._steps = drafting, False, 0
+        self.hold = min(2 * self.hold, HOLD_MAX) if stood else HOLD_MIN
+        self.drafting, self.probing = drafting, False
         self.decisions += 1
         log.info(
-            "speculation %s: drafts measured %.2fx plain decoding (%.0f vs %.0f tok/s; kept at %.2fx or more); "
-            "probed again in %d steps",
+            "speculation %s: where drafts are planned, they decode %.2fx as fast as none (%.0f vs %.0f tok/s over "
+            "%d and %d decodes; kept at %.2fx or more); probed again in %d decodes",
             "on" if drafting else "off",
             self.speedup,
-            on,
-            off,
+            drafted,
+            plain,
+            self._drafted.decodes,
+            self._plain.decodes,
             self.min_speedup,
             self.hold,
         )
