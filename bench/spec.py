@@ -154,7 +154,8 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
             (f"drafted tokens accepted, {mode}", share, "(reported)", True, f"{accepted:.0f} of {proposed:.0f}")
         )
     log = daemons["auto"].log.read_text()
-    kept, dropped = log.count("speculation on: drafts measured"), log.count("speculation off: drafts measured")
+    kept = log.count("speculation on: where drafts are planned")
+    dropped = log.count("speculation off: where drafts are planned")
     rows.append(
         (
             "auto's probes that kept drafts",
