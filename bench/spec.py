@@ -1,12 +1,12 @@
 """Speculative decoding's figures: decode tok/s with drafts against without, in one run.
 
 Three daemons are up at once, `--speculate off`, `prompt-lookup` and `auto` (each at its
-default draft settings), and take turns measure by measure, five rounds (this machine drifts
-by 10-20% over minutes, so a ratio is the median of the rounds' ratios). Two workloads, at 1,
-4 and 8 concurrent streams: an agent rewriting a 40-line Python module with type hints (it
-repeats most of what it was shown: what prompt lookup drafts well; the embedded model copies
-it rather than adding the hints), and free-form chat (less to draft: where `auto` must cost
-nothing). Each stream is 256 greedy tokens.
+default draft settings), and take turns measure by measure, in an order that rotates, five
+rounds (this machine drifts by 10-20% over minutes, so a ratio is the median of the rounds'
+ratios). Two workloads, at 1, 4 and 8 concurrent streams: an agent rewriting a 40-line Python
+module with type hints (it repeats most of what it was shown: what prompt lookup drafts well;
+the embedded model copies it rather than adding the hints), and free-form chat (less to draft:
+where `auto` must cost nothing). Each stream is 256 greedy tokens.
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         seed = 1
         for workload, make in (("rewrite", rewrite), ("chat", chat)):
             for streams in (1, 4, 8):
-                for _ in range(1 if quick else ROUNDS):
-                    for mode, daemon in daemons.items():
+                for turn in range(1 if quick else ROUNDS):
+                    for mode in MODES[turn % 3 :] + MODES[: turn % 3]:  # who goes first rotates
                         chats = [make(seed + i) for i in range(streams)]
-                        rate = load.decode_rate(load.together(daemon.url, chats))
+                        rate = load.decode_rate(load.together(daemons[mode].url, chats))
                         rates.setdefault((workload, mode, streams), []).append(rate)
                     seed += streams
                 print(

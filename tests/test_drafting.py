@@ -162,3 +162,13 @@ def test_a_size_not_measured_lately_is_guessed_again() -> None:
         times.add(1, 1, 1.0)
         times.add(1, 17, 5.0)
     assert times.cost(1, 9) == pytest.approx(3.0), "old: the line between the sizes measured lately"
+
+
+def test_a_larger_decode_moves_with_the_plain_one_when_the_machine_drifts() -> None:
+    times = DecodeTimes(64)
+    times.add(1, 1, 1.0)
+    times.add(1, 5, 2.0)
+    for _ in range(50):
+        times.add(1, 1, 2.0)  # the machine slows down: only plain decodes happen meanwhile
+    assert times.cost(1, 1) == pytest.approx(2.0, rel=1e-3)
+    assert times.cost(1, 5) == pytest.approx(4.0, rel=1e-3), "a five-position decode still costs two plain ones"

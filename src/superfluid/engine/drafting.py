@@ -185,10 +185,14 @@ class DecodeTimes:
     decodes weigh most). The lanes count apart because each reads its own KV: eight lanes of one position
     cost more than one lane of eight.
 
-    A size not measured lately (in the last `FRESH` decodes of as many lanes) is guessed from those that
-    were: on the line between its neighbours, or optimistically above the largest (each further position
-    a quarter of the per-position cost below it). So a draft that could pay is tried and then known, and
-    a size that one slow decode made look dear is tried again once its measurement is old."""
+    A plain decode (a position a lane) is measured most often; a larger one is kept as its ratio to the
+    plain decode of as many lanes at the time, so when the machine slows down or speeds up (other work,
+    another tenant) every size moves with the plain one, and a draft is never judged against a plain
+    decode measured in other weather. A size not measured lately (in the last `FRESH` decodes of as many
+    lanes) is guessed from those that were: on the line between its neighbours, or optimistically above
+    the largest (each further position a quarter of the per-position cost below it). So a draft that
+    could pay is tried and then known, and a size that one slow decode made look dear is tried again
+    once its measurement is old."""
 
     WEIGHT = 0.2  # of a new measurement
     GUESS = 0.25
@@ -196,46 +200,53 @@ class DecodeTimes:
 
     def __init__(self, largest: int) -> None:
         self._largest = largest
-        self._seconds: dict[int, np.ndarray] = {}  # by lanes, by positions
+        self._plain: dict[int, float] = {}  # by lanes: seconds
+        self._ratios: dict[int, np.ndarray] = {}  # by lanes, by positions: to the plain decode's seconds
         self._measured: dict[int, np.ndarray] = {}  # by lanes, by positions: the decode count at its last measure
         self._decodes: dict[int, int] = {}
 
     def add(self, lanes: int, positions: int, seconds: float) -> None:
         if positions > self._largest:
             return
-        if lanes not in self._seconds:
-            self._seconds[lanes] = np.zeros(self._largest + 1)
+        if lanes not in self._ratios:
+            self._ratios[lanes] = np.ones(self._largest + 1)
             self._measured[lanes] = np.full(self._largest + 1, -self.FRESH - 1)
             self._decodes[lanes] = 0
-        table, measured = self._seconds[lanes], self._measured[lanes]
         count = self._decodes[lanes] = self._decodes[lanes] + 1
+        plain = self._plain.get(lanes)
+        if positions <= lanes or plain is None:
+            self._plain[lanes] = seconds if plain is None else (1 - self.WEIGHT) * plain + self.WEIGHT * seconds
+            return
+        ratios, measured = self._ratios[lanes], self._measured[lanes]
+        ratio = seconds / plain
         if count - measured[positions] <= self.FRESH:
-            seconds = (1 - self.WEIGHT) * table[positions] + self.WEIGHT * seconds
-        table[positions] = seconds
+            ratio = (1 - self.WEIGHT) * ratios[positions] + self.WEIGHT * ratio
+        ratios[positions] = ratio
         measured[positions] = count
 
     def cost(self, lanes: int, positions: int) -> float | None:
         """The expected seconds of a decode of `positions` over `lanes`; None before any decode of as many
         lanes was measured."""
-        if lanes not in self._seconds:
+        plain = self._plain.get(lanes)
+        if plain is None:
             return None
-        table = self._seconds[lanes]
+        return plain * self._ratio(lanes, min(positions, self._largest))
+
+    def _ratio(self, lanes: int, positions: int) -> float:
+        if positions <= lanes:
+            return 1.0
+        ratios = self._ratios[lanes]
         fresh = self._decodes[lanes] - self._measured[lanes] <= self.FRESH
-        positions = min(positions, self._largest)
+        fresh[lanes] = True  # the plain decode: a ratio of one
         if fresh[positions]:
-            return float(table[positions])
+            return float(ratios[positions])
         known = np.flatnonzero(fresh)
-        if not len(known):
-            return None
         below, above = known[known < positions], known[known > positions]
-        if len(below) and len(above):
-            lo, hi = int(below[-1]), int(above[0])
-            return float(table[lo] + (table[hi] - table[lo]) * (positions - lo) / (hi - lo))
-        if len(below):
-            lo = int(below[-1])
-            return float(table[lo] * (1 + self.GUESS * (positions - lo) / lo))
-        hi = int(above[0])
-        return float(table[hi] * positions / hi)
+        lo = int(below[-1])
+        if len(above):
+            hi = int(above[0])
+            return float(ratios[lo] + (ratios[hi] - ratios[lo]) * (positions - lo) / (hi - lo))
+        return float(ratios[lo] * (1 + self.GUESS * (positions - lo) / lo))
 
 
 @dataclass(frozen=True)
