@@ -29,11 +29,15 @@ WHEEL_TAG := $(shell echo '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | md5sum | cut 
 WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
 # llama.cpp built once per CPU from the same source, with cmake: `fast` is llama.cpp as it
-# builds itself (every kernel this CPU has, AMX left out as above), whose libllama.so the
+# builds itself (every kernel this CPU has, AMX left out as above; scripts/patches applied,
+# which speed up decodes of several positions and change no result), whose libllama.so the
 # workers load by default (`--kernels fast`, linked at .venv/llama-fast); `make bench` adds
 # llama-server and llama-batched-bench to it, and llama-batched-bench built with the exact
 # flags above (what superfluid's `--kernels exact` costs).
-PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(CPU_ID)
+# Our patches to that source (scripts/patches) are part of its name: a build from other
+# patches is never picked up again.
+PATCHES_ID := $(shell cat scripts/patches/*.patch | md5sum | cut -c1-6)
+PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(PATCHES_ID)-$(CPU_ID)
 FAST_LIB := $(PEERS)/fast/bin/libllama.so
 ifeq ($(shell uname -m),aarch64)
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON

@@ -12,6 +12,11 @@ if [ ! -d "$source_dir" ]; then
     mkdir -p "$builds/src"
     "$pip" download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$builds/src"
     tar -xzf "$builds/src/llama_cpp_python-$version.tar.gz" -C "$builds/src"
+    patches="$(cd "$(dirname "$0")/patches" && pwd)"
+    for patch in "$patches"/*.patch; do  # ours: see scripts/patches/README.md
+        echo "applying $(basename "$patch")"
+        (cd "$source_dir" && git apply -p1 "$patch")
+    done
 fi
 cmake=$(command -v cmake || true)
 if [ -z "$cmake" ]; then  # no system cmake: PyPI's, in the virtual environment

@@ -2,10 +2,11 @@
 
 Two builds of the same llama.cpp are installed. The wheel llama-cpp-python loads in every
 process is the exact one (below). The fast one is llama.cpp as it builds itself, with every
-kernel this CPU has; `make` installs it at `.venv/llama-fast` and a worker loads it through
-llama-cpp-python's `LLAMA_CPP_LIB_PATH`. The fast build prefills 1.06-1.4x faster, by CPU, and
-its logits depend on the batch: `--kernels fast` (the default) trades exact continuations for
-that speed, `--kernels exact` keeps them.
+kernel this CPU has (and scripts/patches, which change no result); `make` installs it at
+`.venv/llama-fast` and a worker loads it through llama-cpp-python's `LLAMA_CPP_LIB_PATH`.
+The fast build prefills 1.06-1.4x faster, by CPU, and its logits depend on the batch:
+`--kernels fast` (the default) trades exact continuations for that speed, `--kernels exact`
+keeps them.
 
 llama.cpp picks some matrix kernels by how many tokens share a batch: llamafile's sgemm
 from two tokens on, repacked weights (gemm for groups of four, gemv for the rest), AMX
