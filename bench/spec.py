@@ -100,7 +100,7 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         for workload, make in (("rewrite", rewrite), ("chat", chat)):
             for streams in (1, 4, 8):
                 for turn in range(1 if quick else ROUNDS):
-                    for mode in MODES[turn % 3 :] + MODES[: turn % 3]:  # who goes first rotates
+                    for mode in MODES[turn % len(MODES) :] + MODES[: turn % len(MODES)]:  # who goes first rotates
                         chats = [make(seed + i) for i in range(streams)]
                         rate = load.decode_rate(load.together(daemons[mode].url, chats))
                         rates.setdefault((workload, mode, streams), []).append(rate)

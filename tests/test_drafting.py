@@ -172,3 +172,11 @@ def test_a_larger_decode_moves_with_the_plain_one_when_the_machine_drifts() -> N
         times.add(1, 1, 2.0)  # the machine slows down: only plain decodes happen meanwhile
     assert times.cost(1, 1) == pytest.approx(2.0, rel=1e-3)
     assert times.cost(1, 5) == pytest.approx(4.0, rel=1e-3), "a five-position decode still costs two plain ones"
+
+
+def test_a_drafted_decode_before_any_plain_one_is_not_taken_for_a_plain_one() -> None:
+    times = DecodeTimes(64)
+    times.add(1, 5, 3.0)  # a lane that does not adapt drafts from its first decode
+    assert times.cost(1, 1) is None, "nothing to measure it against"
+    times.add(1, 1, 1.0)
+    assert times.cost(1, 1) == 1.0

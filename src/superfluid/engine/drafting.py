@@ -214,9 +214,11 @@ class DecodeTimes:
             self._decodes[lanes] = 0
         count = self._decodes[lanes] = self._decodes[lanes] + 1
         plain = self._plain.get(lanes)
-        if positions <= lanes or plain is None:
+        if positions <= lanes:
             self._plain[lanes] = seconds if plain is None else (1 - self.WEIGHT) * plain + self.WEIGHT * seconds
             return
+        if plain is None:
+            return  # no plain decode of as many lanes to measure it against yet
         ratios, measured = self._ratios[lanes], self._measured[lanes]
         ratio = seconds / plain
         if count - measured[positions] <= self.FRESH:
@@ -235,11 +237,11 @@ class DecodeTimes:
     def _ratio(self, lanes: int, positions: int) -> float:
         if positions <= lanes:
             return 1.0
-        ratios = self._ratios[lanes]
-        fresh = self._decodes[lanes] - self._measured[lanes] <= self.FRESH
-        fresh[lanes] = True  # the plain decode: a ratio of one
-        if fresh[positions]:
+        ratios, measured = self._ratios[lanes], self._measured[lanes]
+        if self._decodes[lanes] - measured[positions] <= self.FRESH:
             return float(ratios[positions])
+        fresh = self._decodes[lanes] - measured <= self.FRESH  # the whole row only where a size must be guessed
+        fresh[lanes] = True  # the plain decode: a ratio of one
         known = np.flatnonzero(fresh)
         below, above = known[known < positions], known[known > positions]
         lo = int(below[-1])

@@ -178,7 +178,7 @@ class LocalEngine:
                 arm = step.plain if self._trials % PLAIN_EVERY == 0 else step.drafted
                 if arm is step.plain:
                     drafts, matches = [[] for _ in lanes], [None] * len(lanes)
-            before = sum(len(drawn[i]) for i in lanes)
+            before = sum(len(drawn[i]) for i in lanes) if arm is not None else 0
             try:
                 logits, took, drafts = self._decode(batch, drafts)
             except KVFull:
