@@ -30,7 +30,7 @@ WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
 # llama.cpp built once per CPU from the same source, with cmake: `fast` is llama.cpp as it
 # builds itself (every kernel this CPU has, AMX left out as above; scripts/patches applied,
-# which speed up decodes of several positions and change no result), whose libllama.so the
+# which make decodes of several positions cheaper and change no result), whose libllama.so the
 # workers load by default (`--kernels fast`, linked at .venv/llama-fast); `make bench` adds
 # llama-server and llama-batched-bench to it, and llama-batched-bench built with the exact
 # flags above (what superfluid's `--kernels exact` costs).
