@@ -90,6 +90,7 @@ def test_decode_times_interpolate_and_guess_optimistically() -> None:
     times.add(1, 1, 1.0)
     assert times.cost(1, 1) == 1.0
     assert times.cost(1, 5) == pytest.approx(1.0 + DecodeTimes.GUESS * 4), "above: a quarter a position"
+    assert times.cost(1, 2 + DecodeTimes.REACH) is None, "but only a few positions above what was measured"
     times.add(1, 9, 3.0)
     assert times.cost(1, 5) == pytest.approx(2.0), "between: on the line"
     times.add(1, 2, 1.9)
@@ -99,6 +100,7 @@ def test_decode_times_interpolate_and_guess_optimistically() -> None:
     assert times.cost(8, 9) is None, "eight lanes read eight KVs: their decodes are measured apart"
     times.add(8, 8, 4.0)
     assert times.cost(8, 9) == pytest.approx(4.0 * (1 + DecodeTimes.GUESS / 8))
+    assert times.cost(8, 8 + DecodeTimes.REACH + 1) is None
 
 
 def trained(agreed: int, odds_stand: bool) -> Acceptance:

@@ -17,7 +17,17 @@ from superfluid.engine.sampling import splitmix64
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
-from superfluid.scheduler.speculate import HOLD_MAX, HOLD_MIN, TRIALS, SpecGate, SpecProbe, SpecSettings
+from superfluid.scheduler.speculate import (
+    CHANGED,
+    HOLD_MAX,
+    HOLD_MIN,
+    PROBE_MAX,
+    TRIALS,
+    WATCH,
+    SpecGate,
+    SpecProbe,
+    SpecSettings,
+)
 
 VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
@@ -508,6 +518,35 @@ def test_the_gate_keeps_drafts_only_where_they_pay() -> None:
         gate.record(gate.hold, Arm(), Arm())
         probe_with(gate, Arm(3, 3, 0.0315), Arm(1, 1, 0.01))
     assert gate.hold == HOLD_MAX, "up to the longest hold"
+
+
+def test_a_hold_whose_drafts_stand_less_often_probes_again_at_once() -> None:
+    gate = SpecProbe(1.08)
+    for _ in range(4):  # rewriting files: drafts stand nine times in ten, and pay each time they are probed
+        while gate.probing:
+            gate.record(4, Arm(3, 12, 0.03), Arm(1, 1, 0.01), proposed=30, accepted=27)
+        gate.record(gate.hold, Arm(), Arm())
+    while gate.probing:
+        gate.record(4, Arm(3, 12, 0.03), Arm(1, 1, 0.01), proposed=30, accepted=27)
+    assert gate.hold == 16 * HOLD_MIN and gate.acceptance == pytest.approx(0.9)
+    gate.record(1, Arm(), Arm(), proposed=WATCH, accepted=int(0.9 * WATCH))  # the same text: it holds
+    assert gate.phase == "hold"
+    gate.record(1, Arm(), Arm(), proposed=WATCH // 2, accepted=0)
+    assert gate.phase == "hold", f"it judges {WATCH} drafted tokens at a time"
+    gate.record(1, Arm(), Arm(), proposed=WATCH // 2, accepted=int(CHANGED * 0.9 * WATCH) - 1)  # a chat begins
+    assert gate.phase == "probe", "a long hold earned rewriting files says nothing about the chat that follows"
+    probe_with(gate, Arm(3, 4, 0.035), Arm(1, 1, 0.01))  # drafts still pay, a little
+    assert gate.drafting and gate.hold == HOLD_MIN, "the new decision holds briefly"
+
+
+def test_a_probe_where_drafts_are_seldom_planned_stops_drafting() -> None:
+    gate = SpecProbe(1.08)
+    for _ in range(PROBE_MAX // 8 - 1):  # eight decodes a step, drafts planned in one of them
+        gate.record(8, Arm(1, 3, 0.01), Arm())
+    assert gate.phase == "probe"
+    gate.record(8, Arm(), Arm(1, 1, 0.01))
+    assert gate.phase == "hold" and not gate.allows(), "too few trials to gain from, and lookups cost every decode"
+    assert gate.hold == HOLD_MIN
 
 
 def _stutter(held: list[int]) -> int:

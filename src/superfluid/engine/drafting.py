@@ -190,13 +190,17 @@ class DecodeTimes:
     another tenant) every size moves with the plain one, and a draft is never judged against a plain
     decode measured in other weather. A size not measured lately (in the last `FRESH` decodes of as many
     lanes) is guessed from those that were: on the line between its neighbours, or optimistically above
-    the largest (each further position a quarter of the per-position cost below it). So a draft that
-    could pay is tried and then known, and a size that one slow decode made look dear is tried again
-    once its measurement is old."""
+    the largest (each further position a quarter of the per-position cost below it), but no more than
+    `REACH` positions above it: where a decode is already compute-bound (eight lanes on a CPU) every
+    position costs about as much as a lane's own, and a draft as long as the optimistic guess allows
+    would cost several decodes to find that out. So a draft that could pay is tried and then known, a
+    little longer each time, and a size that one slow decode made look dear is tried again once its
+    measurement is old."""
 
     WEIGHT = 0.2  # of a new measurement
     GUESS = 0.25
     FRESH = 256
+    REACH = 4
 
     def __init__(self, largest: int) -> None:
         self._largest = largest
@@ -228,13 +232,14 @@ class DecodeTimes:
 
     def cost(self, lanes: int, positions: int) -> float | None:
         """The expected seconds of a decode of `positions` over `lanes`; None before any decode of as many
-        lanes was measured."""
+        lanes was measured, or where the size is beyond what is guessed."""
         plain = self._plain.get(lanes)
         if plain is None:
             return None
-        return plain * self._ratio(lanes, min(positions, self._largest))
+        ratio = self._ratio(lanes, min(positions, self._largest))
+        return None if ratio is None else plain * ratio
 
-    def _ratio(self, lanes: int, positions: int) -> float:
+    def _ratio(self, lanes: int, positions: int) -> float | None:
         if positions <= lanes:
             return 1.0
         ratios, measured = self._ratios[lanes], self._measured[lanes]
@@ -248,6 +253,8 @@ class DecodeTimes:
         if len(above):
             hi = int(above[0])
             return float(ratios[lo] + (ratios[hi] - ratios[lo]) * (positions - lo) / (hi - lo))
+        if positions - lo > self.REACH:
+            return None
         return float(ratios[lo] * (1 + self.GUESS * (positions - lo) / lo))
 
 

@@ -837,7 +837,9 @@ class Scheduler:
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0, draft > 0)
         if decode_only and self.gate is not None:
-            self.gate.record(len(plan), decodes, step.drafted, step.plain)
+            proposed = sum(tried for tried, _ in step.spec.values())
+            accepted = sum(kept for _, kept in step.spec.values())
+            self.gate.record(len(plan), decodes, step.drafted, step.plain, proposed, accepted)
         jobs = {index: lane.job for lane, index in owners}
         for index, (proposed, accepted) in step.spec.items():
             self._record_draft(jobs[index], proposed, accepted)

@@ -8,7 +8,9 @@ step how long its drafts may be, and counts what they saved.
 `SpecGate` decides, under `--speculate auto`, whether drafting pays on this machine and load, for
 each batch size apart: it has the engine try, where it plans drafts, decodes without them now and
 then, keeps drafting while drafts decode at least `min_speedup` times as fast, and probes again
-after a while, and twice as late after each decision that stood.
+after a while, and twice as late after each decision that stood; or at once, when the drafted
+tokens that stand fall well below their share in the probe (the lanes' text changed: a chat
+after a rewritten file).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from ..engine.drafting import Arm
 log = logging.getLogger("superfluid.scheduler")
 
 TRIALS = 8  # plain decodes a probe waits for (three times as many drafting ones come with them)
+PROBE_MAX = 256  # decodes a probe waits for them; where drafts are planned more seldom, none are kept
 HOLD_MIN = 64  # decodes a new decision stands before the next probe
 HOLD_MAX = 2048  # and the longest, for one that kept standing
+WATCH = 64  # drafted tokens over which a hold's acceptance is compared with the probe's
+CHANGED = 0.8  # a hold whose drafted tokens stand less than this share of the probe's probes again
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,8 @@ class SpecGate:
     def probing(self, lanes: int) -> bool:
         return self.probe(lanes).probing
 
-    def record(self, lanes: int, decodes: int, drafted: Arm, plain: Arm) -> None:
-        self.probe(lanes).record(decodes, drafted, plain)
+    def record(self, lanes: int, decodes: int, drafted: Arm, plain: Arm, proposed: int = 0, accepted: int = 0) -> None:
+        self.probe(lanes).record(decodes, drafted, plain, proposed, accepted)
 
 
 class SpecProbe:
@@ -70,7 +75,15 @@ class SpecProbe:
 
     A decision holds `HOLD_MIN` decodes, then the next probe; a decision that stands when probed again
     holds twice as long the next time, up to `HOLD_MAX`. Decodes where the engine plans no draft are the
-    same either way, and a probe waits for enough of the others."""
+    same either way, and a probe waits for enough of the others, up to `PROBE_MAX` decodes: where the
+    engine plans drafts more seldom than that (eight lanes on a CPU, whose decode is already
+    compute-bound), they cannot gain much, while looking them up costs every decode a little, so
+    drafting stops.
+
+    A decision to draft was measured on text whose drafts stood so often; while it holds, each `WATCH`
+    drafted tokens are compared with that share, and a hold whose drafts stand less than `CHANGED` times as
+    often ends in a probe at once, whose decision holds briefly again (a long hold earned rewriting files
+    says nothing about the chat that follows)."""
 
     def __init__(self, min_speedup: float) -> None:
         self.min_speedup = min_speedup
@@ -81,6 +94,9 @@ class SpecProbe:
         self._decodes = 0
         self._drafted, self._plain = Arm(), Arm()
         self.speedup = 0.0  # the last probe's measured ratio
+        self.acceptance = 0.0  # the share of its drafted tokens that stood
+        self._proposed = self._accepted = 0  # drafted tokens, and those that stood, in this probe or watch
+        self._changed = False  # the last hold ended because its drafts stood less often
 
     @property
     def phase(self) -> str:
@@ -90,36 +106,71 @@ class SpecProbe:
         """True when this step may carry drafts (a probe's steps do: the engine leaves some plain)."""
         return self.probing or self.drafting
 
-    def record(self, decodes: int, drafted: Arm, plain: Arm) -> None:
-        """A decode-only step: its decodes, and its trial's two arms."""
+    def record(self, decodes: int, drafted: Arm, plain: Arm, proposed: int = 0, accepted: int = 0) -> None:
+        """A decode-only step: its decodes, its trial's two arms, and its drafted tokens and those that stood."""
+        self._proposed += proposed
+        self._accepted += accepted
+        self._decodes += decodes
         if self.probing:
             self._drafted.add(drafted)
             self._plain.add(plain)
-            if self._plain.decodes >= TRIALS:
+            if self._plain.decodes >= TRIALS or self._decodes >= PROBE_MAX:
                 self._decide()
             return
-        self._decodes += decodes
+        if self.drafting and self._proposed >= WATCH:
+            share = self._accepted / self._proposed
+            if share < CHANGED * self.acceptance:
+                log.info(
+                    "speculation: drafted tokens stand %.0f%% of the time, against %.0f%% when it was decided; "
+                    "probing again",
+                    100 * share,
+                    100 * self.acceptance,
+                )
+                self._changed = True
+                self._probe()
+                return
+            self._proposed = self._accepted = 0
         if self._decodes >= self.hold:
-            self.probing, self._decodes = True, 0
-            self._drafted, self._plain = Arm(), Arm()
+            self._probe()
+
+    def _probe(self) -> None:
+        self.probing, self._decodes = True, 0
+        self._drafted, self._plain = Arm(), Arm()
+        self._proposed = self._accepted = 0
 
     def _decide(self) -> None:
         drafted, plain = self._drafted.rate, self._plain.rate
-        self.speedup = drafted / plain if plain else 0.0
-        drafting = self.speedup >= self.min_speedup
-        stood = self.decisions and drafting == self.drafting
+        measured = self._plain.decodes >= TRIALS
+        self.speedup = drafted / plain if measured and plain else 0.0
+        self.acceptance = self._accepted / self._proposed if self._proposed else 0.0
+        drafting = measured and self.speedup >= self.min_speedup
+        stood = self.decisions and not self._changed and drafting == self.drafting
         self.hold = min(2 * self.hold, HOLD_MAX) if stood else HOLD_MIN
         self.drafting, self.probing = drafting, False
         self.decisions += 1
-        log.info(
-            "speculation %s: where drafts are planned, they decode %.2fx as fast as none (%.0f vs %.0f tok/s over "
-            "%d and %d decodes; kept at %.2fx or more); probed again in %d decodes",
-            "on" if drafting else "off",
-            self.speedup,
-            drafted,
-            plain,
-            self._drafted.decodes,
-            self._plain.decodes,
-            self.min_speedup,
-            self.hold,
-        )
+        if measured:
+            log.info(
+                "speculation %s: where drafts are planned, they decode %.2fx as fast as none (%.0f vs %.0f tok/s "
+                "over %d and %d decodes, %.0f%% of drafted tokens standing; kept at %.2fx or more); "
+                "probed again in %d decodes",
+                "on" if drafting else "off",
+                self.speedup,
+                drafted,
+                plain,
+                self._drafted.decodes,
+                self._plain.decodes,
+                100 * self.acceptance,
+                self.min_speedup,
+                self.hold,
+            )
+        else:
+            log.info(
+                "speculation off: drafts were planned in %d of %d decodes, too seldom to gain; probed again in %d "
+                "decodes",
+                self._drafted.decodes + self._plain.decodes,
+                self._decodes,
+                self.hold,
+            )
+        self._changed = False
+        self._decodes = 0
+        self._proposed = self._accepted = 0
