@@ -154,8 +154,8 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
             (f"drafted tokens accepted, {mode}", share, "(reported)", True, f"{accepted:.0f} of {proposed:.0f}")
         )
     log = daemons["auto"].log.read_text()
-    kept = log.count("speculation on: ")
-    dropped = log.count("speculation off: ")
+    kept = log.count("speculation on at ")
+    dropped = log.count("speculation off at ")
     rows.append(
         (
             "auto's probes that kept drafts",

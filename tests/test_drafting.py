@@ -89,10 +89,11 @@ def test_decode_times_interpolate_and_guess_optimistically() -> None:
     assert times.cost(1, 1) is None, "nothing measured"
     times.add(1, 1, 1.0)
     assert times.cost(1, 1) == 1.0
-    assert times.cost(1, 5) == pytest.approx(1.0 + DecodeTimes.GUESS * 4), "above: a quarter a position"
-    assert times.cost(1, 2 + DecodeTimes.REACH) is None, "but only a few positions above what was measured"
+    assert times.cost(1, 2) == pytest.approx(1.0 + DecodeTimes.GUESS), "above: a quarter a position"
+    assert times.cost(1, 3) is None, "but no further than twice the largest size measured"
     times.add(1, 9, 3.0)
     assert times.cost(1, 5) == pytest.approx(2.0), "between: on the line"
+    assert times.cost(1, 18) == pytest.approx(3.0 * (1 + DecodeTimes.GUESS)) and times.cost(1, 19) is None
     times.add(1, 2, 1.9)
     assert times.cost(1, 2) == 1.9, "a size measured is its own: a CPU's second position costs most of a first"
     times.add(1, 1, 2.0)
@@ -100,7 +101,7 @@ def test_decode_times_interpolate_and_guess_optimistically() -> None:
     assert times.cost(8, 9) is None, "eight lanes read eight KVs: their decodes are measured apart"
     times.add(8, 8, 4.0)
     assert times.cost(8, 9) == pytest.approx(4.0 * (1 + DecodeTimes.GUESS / 8))
-    assert times.cost(8, 8 + DecodeTimes.REACH + 1) is None
+    assert times.cost(8, 17) is None
 
 
 def trained(agreed: int, odds_stand: bool) -> Acceptance:
@@ -154,16 +155,28 @@ def test_a_lane_starts_from_the_engines_odds_and_moves_to_its_own() -> None:
     assert engine.odds(8) < trained(8, True).odds(8), "and the engine learns from it too"
 
 
-def test_a_size_not_measured_lately_is_guessed_again() -> None:
+def test_one_slow_decode_is_bounded_by_the_larger_sizes_measured() -> None:
     times = DecodeTimes(64)
     times.add(1, 1, 1.0)
     times.add(1, 9, 90.0)  # one decode slowed by something else on the machine
+    assert times.cost(1, 9) == 90.0
     times.add(1, 17, 5.0)
-    assert times.cost(1, 9) == 90.0, "fresh: it stands, and no draft of that size is tried"
-    for _ in range(DecodeTimes.FRESH):
+    assert times.cost(1, 9) == 5.0, "a decode of more positions costs no less"
+    assert times.cost(1, 5) == pytest.approx(3.0), "and the sizes around it are guessed from it"
+
+
+def test_an_old_measurement_is_trusted_less() -> None:
+    times = DecodeTimes(64)
+    times.add(1, 1, 1.0)
+    times.add(1, 2, 3.0)  # a second position dearer than drafts can pay for
+    for _ in range(DecodeTimes.FRESH - 1):
         times.add(1, 1, 1.0)
-        times.add(1, 17, 5.0)
-    assert times.cost(1, 9) == pytest.approx(3.0), "old: the line between the sizes measured lately"
+    assert times.cost(1, 2) == pytest.approx(3.0), "fresh: it stands, and no draft of that size is tried"
+    for _ in range(3 * DecodeTimes.FRESH):
+        times.add(1, 1, 1.0)
+    assert times.cost(1, 2) == pytest.approx(1 + 2 * DecodeTimes.FADE**3), "each period shrinks its excess"
+    times.add(1, 2, 3.0)
+    assert times.cost(1, 2) == pytest.approx(3.0), "tried again, it is known again"
 
 
 def test_a_larger_decode_moves_with_the_plain_one_when_the_machine_drifts() -> None:

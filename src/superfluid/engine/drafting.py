@@ -188,19 +188,24 @@ class DecodeTimes:
     A plain decode (a position a lane) is measured most often; a larger one is kept as its ratio to the
     plain decode of as many lanes at the time, so when the machine slows down or speeds up (other work,
     another tenant) every size moves with the plain one, and a draft is never judged against a plain
-    decode measured in other weather. A size not measured lately (in the last `FRESH` decodes of as many
-    lanes) is guessed from those that were: on the line between its neighbours, or optimistically above
-    the largest (each further position a quarter of the per-position cost below it), but no more than
-    `REACH` positions above it: where a decode is already compute-bound (eight lanes on a CPU) every
-    position costs about as much as a lane's own, and a draft as long as the optimistic guess allows
-    would cost several decodes to find that out. So a draft that could pay is tried and then known, a
-    little longer each time, and a size that one slow decode made look dear is tried again once its
-    measurement is old."""
+    decode measured in other weather.
+
+    What a size costs is known from the sizes measured: its own measurement, on the line between the
+    measured sizes around it, or optimistically above the largest (each further position a quarter of
+    the per-position cost below it), but no further than twice its size: where a decode is already
+    compute-bound (several lanes on a CPU) every position costs about what a lane's own does, and a
+    draft as long as an optimistic guess allows would cost several decodes to find that out, while
+    one of twice the size reaches the long drafts that pay where short ones do not in a few tries. A
+    decode of more positions never costs less than one of fewer, so one slow decode of some size is
+    bounded by the larger sizes measured. A measurement is trusted less as it ages: for every `FRESH`
+    decodes of as many lanes since, its excess over the plain decode shrinks by `FADE`, so a size that
+    did not pay is tried again now and then (the lanes' contexts grow, the machine changes), not every
+    few decodes."""
 
     WEIGHT = 0.2  # of a new measurement
     GUESS = 0.25
     FRESH = 256
-    REACH = 4
+    FADE = 0.8
 
     def __init__(self, largest: int) -> None:
         self._largest = largest
@@ -208,13 +213,14 @@ class DecodeTimes:
         self._ratios: dict[int, np.ndarray] = {}  # by lanes, by positions: to the plain decode's seconds
         self._measured: dict[int, np.ndarray] = {}  # by lanes, by positions: the decode count at its last measure
         self._decodes: dict[int, int] = {}
+        self._rows: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # by lanes: `_row`'s answer, and when
 
     def add(self, lanes: int, positions: int, seconds: float) -> None:
         if positions > self._largest:
             return
         if lanes not in self._ratios:
             self._ratios[lanes] = np.ones(self._largest + 1)
-            self._measured[lanes] = np.full(self._largest + 1, -self.FRESH - 1)
+            self._measured[lanes] = np.full(self._largest + 1, -1)
             self._decodes[lanes] = 0
         count = self._decodes[lanes] = self._decodes[lanes] + 1
         plain = self._plain.get(lanes)
@@ -225,7 +231,7 @@ class DecodeTimes:
             return  # no plain decode of as many lanes to measure it against yet
         ratios, measured = self._ratios[lanes], self._measured[lanes]
         ratio = seconds / plain
-        if count - measured[positions] <= self.FRESH:
+        if measured[positions] >= 0 and count - measured[positions] <= self.FRESH:
             ratio = (1 - self.WEIGHT) * ratios[positions] + self.WEIGHT * ratio
         ratios[positions] = ratio
         measured[positions] = count
@@ -242,20 +248,32 @@ class DecodeTimes:
     def _ratio(self, lanes: int, positions: int) -> float | None:
         if positions <= lanes:
             return 1.0
-        ratios, measured = self._ratios[lanes], self._measured[lanes]
-        if self._decodes[lanes] - measured[positions] <= self.FRESH:
-            return float(ratios[positions])
-        fresh = self._decodes[lanes] - measured <= self.FRESH  # the whole row only where a size must be guessed
-        fresh[lanes] = True  # the plain decode: a ratio of one
-        known = np.flatnonzero(fresh)
-        below, above = known[known < positions], known[known > positions]
-        lo = int(below[-1])
-        if len(above):
-            hi = int(above[0])
-            return float(ratios[lo] + (ratios[hi] - ratios[lo]) * (positions - lo) / (hi - lo))
-        if positions - lo > self.REACH:
+        sizes, ratios = self._row(lanes)
+        i = int(np.searchsorted(sizes, positions))  # sizes[0] is the plain decode's, below `positions`
+        if i < len(sizes) and sizes[i] == positions:
+            return float(ratios[i])
+        lo = int(sizes[i - 1])
+        if i < len(sizes):
+            hi = int(sizes[i])
+            return float(ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (positions - lo) / (hi - lo))
+        if positions > 2 * lo:
             return None
-        return float(ratios[lo] * (1 + self.GUESS * (positions - lo) / lo))
+        return float(ratios[i - 1] * (1 + self.GUESS * (positions - lo) / lo))
+
+    def _row(self, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sizes measured for `lanes` (the plain decode's first) and their ratios as trusted now: aged, and
+        never above a larger size's. Worked out once a decode."""
+        count = self._decodes[lanes]
+        cached = self._rows.get(lanes)
+        if cached is not None and cached[0] == count:
+            return cached[1], cached[2]
+        measured = self._measured[lanes]
+        sizes = np.concatenate(([lanes], np.flatnonzero(measured >= 0)))
+        ages = (count - measured[sizes[1:]]) // self.FRESH
+        ratios = np.concatenate(([1.0], 1 + (self._ratios[lanes][sizes[1:]] - 1) * self.FADE**ages))
+        ratios = np.minimum.accumulate(ratios[::-1])[::-1]
+        self._rows[lanes] = (count, sizes, ratios)
+        return sizes, ratios
 
 
 @dataclass(frozen=True)

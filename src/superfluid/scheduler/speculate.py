@@ -26,8 +26,9 @@ TRIALS = 8  # plain decodes a probe waits for (three times as many drafting ones
 PROBE_MAX = 256  # decodes a probe waits for them; where drafts are planned more seldom, none are kept
 HOLD_MIN = 64  # decodes a new decision stands before the next probe
 HOLD_MAX = 2048  # and the longest, for one that kept standing
-WATCH = 64  # drafted tokens over which a hold's acceptance is compared with the probe's
-CHANGED = 0.8  # a hold whose drafted tokens stand less than this share of the probe's probes again
+BUCKETS = ("1 lane", "2-3 lanes", "4-7 lanes", "8 lanes or more")  # decided apart
+WATCH = 128  # drafted tokens over which a hold's acceptance is compared with the probe's
+CHANGED = 0.5  # a hold whose drafted tokens stand less than this share of the probe's probes again
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ class SpecGate:
 
     def probe(self, lanes: int) -> SpecProbe:
         bucket = min(lanes.bit_length(), 4)  # 1, 2-3, 4-7, 8+
-        return self._probes.setdefault(bucket, SpecProbe(self.min_speedup))
+        if bucket not in self._probes:
+            self._probes[bucket] = SpecProbe(self.min_speedup, BUCKETS[bucket - 1])
+        return self._probes[bucket]
 
     def allows(self, lanes: int) -> bool:
         return self.probe(lanes).allows()
@@ -85,8 +88,9 @@ class SpecProbe:
     often ends in a probe at once, whose decision holds briefly again (a long hold earned rewriting files
     says nothing about the chat that follows)."""
 
-    def __init__(self, min_speedup: float) -> None:
+    def __init__(self, min_speedup: float, lanes: str = BUCKETS[0]) -> None:
         self.min_speedup = min_speedup
+        self.lanes = lanes  # the batch sizes it decides for, as its log lines say
         self.probing = True
         self.drafting = False
         self.decisions = 0
@@ -121,8 +125,9 @@ class SpecProbe:
             share = self._accepted / self._proposed
             if share < CHANGED * self.acceptance:
                 log.info(
-                    "speculation: drafted tokens stand %.0f%% of the time, against %.0f%% when it was decided; "
-                    "probing again",
+                    "speculation at %s: drafted tokens stand %.0f%% of the time, against %.0f%% when it was "
+                    "decided; probing again",
+                    self.lanes,
                     100 * share,
                     100 * self.acceptance,
                 )
@@ -150,10 +155,11 @@ class SpecProbe:
         self.decisions += 1
         if measured:
             log.info(
-                "speculation %s: where drafts are planned, they decode %.2fx as fast as none (%.0f vs %.0f tok/s "
-                "over %d and %d decodes, %.0f%% of drafted tokens standing; kept at %.2fx or more); "
+                "speculation %s at %s: where drafts are planned, they decode %.2fx as fast as none (%.0f vs %.0f "
+                "tok/s over %d and %d decodes, %.0f%% of drafted tokens standing; kept at %.2fx or more); "
                 "probed again in %d decodes",
                 "on" if drafting else "off",
+                self.lanes,
                 self.speedup,
                 drafted,
                 plain,
@@ -165,8 +171,9 @@ class SpecProbe:
             )
         else:
             log.info(
-                "speculation off: drafts were planned in %d of %d decodes, too seldom to gain; probed again in %d "
-                "decodes",
+                "speculation off at %s: drafts were planned in %d of %d decodes, too seldom to gain; probed again "
+                "in %d decodes",
+                self.lanes,
                 self._drafted.decodes + self._plain.decodes,
                 self._decodes,
                 self.hold,
