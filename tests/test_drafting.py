@@ -155,6 +155,22 @@ def test_a_lane_starts_from_the_engines_odds_and_moves_to_its_own() -> None:
     assert engine.odds(8) < trained(8, True).odds(8), "and the engine learns from it too"
 
 
+def test_a_lane_whose_drafts_fare_worse_than_the_engines_odds_trusts_them_less_everywhere() -> None:
+    engine = Acceptance()
+    for agreed in range(2, 20):  # rewriting files: a drafted token stands nine times in ten
+        for i in range(30):
+            engine.record(agreed, 1, int(i % 10 != 0))
+    story = Acceptance(engine)
+    for i in range(12):  # a story that repeats its prompt's words: long agreements, most drafts fail
+        story.record(10 + i % 3, 1, int(i % 3 == 0))
+    assert story.scale < 0.6
+    assert story.odds(16) < 0.6 * engine.odds(16), "at an agreement it never drafted at, too"
+    rewrite = Acceptance(engine)
+    for _ in range(12):
+        rewrite.record(10, 1, 1)
+    assert rewrite.odds(16) == pytest.approx(engine.odds(16), rel=0.15), "a lane that fares as well drafts as before"
+
+
 def test_one_slow_decode_is_bounded_by_the_larger_sizes_measured() -> None:
     times = DecodeTimes(64)
     times.add(1, 1, 1.0)

@@ -114,24 +114,35 @@ class Acceptance:
 
     The engine keeps one for all its lanes, and each lane one of its own that starts from it (`shared`):
     a lane's odds are its own counts plus `WEIGHT` observations' worth of the engine's, so a new lane
-    drafts as lanes did before it, and one whose text repeats itself less (a story after a rewritten
-    file) soon drafts as its own record says."""
+    drafts as lanes did before it, and one whose text repeats itself less soon drafts as its own record
+    says. What agreement means depends on the text, though: a story that repeats "the old lighthouse
+    keeper" agrees as long as a rewritten file does, and is no more likely to go on as before. So a lane
+    also scales the engine's odds by how its drafted tokens fared against them, over all its drafts (a
+    lane drafts at any one agreement too seldom to learn it alone)."""
 
     PRIOR = 0.8  # optimistic: an agreement never tried is tried, then known
     DECAY = 0.99
     WEIGHT = 4.0
+    CALIBRATION = 4.0  # drafted tokens' worth of trust in the engine's odds a new lane starts with
 
     def __init__(self, shared: Acceptance | None = None) -> None:
         self.shared = shared
         start = 0.0 if shared is not None else 1.0
         self._stood = np.full(AGREEMENT_CAP + 1, self.PRIOR * start)
         self._tried = np.full(AGREEMENT_CAP + 1, start)
+        self._standing = self._expected = self.CALIBRATION  # the lane's tokens that stood, and the engine's odds of it
+
+    @property
+    def scale(self) -> float:
+        """How much more (or less) often the lane's drafted tokens stand than the engine's odds said."""
+        return self._standing / self._expected
 
     def odds(self, agreed: int) -> float:
         at = min(agreed, AGREEMENT_CAP)
         if self.shared is None:
             return float(self._stood[at] / self._tried[at])
-        return float((self._stood[at] + self.WEIGHT * self.shared.odds(at)) / (self._tried[at] + self.WEIGHT))
+        engine = min(1.0, self.shared.odds(at) * self.scale)
+        return float((self._stood[at] + self.WEIGHT * engine) / (self._tried[at] + self.WEIGHT))
 
     def record(self, agreed: int, drafted: int, stood: int) -> None:
         """A draft of `drafted` tokens after a match of `agreed`, whose first `stood` tokens stood."""
@@ -139,6 +150,9 @@ class Acceptance:
             at = min(agreed + k, AGREEMENT_CAP)
             self._stood[at] = self._stood[at] * self.DECAY + (k < stood)
             self._tried[at] = self._tried[at] * self.DECAY + 1
+            if self.shared is not None:
+                self._standing = self._standing * self.DECAY + (k < stood)
+                self._expected = self._expected * self.DECAY + self.shared.odds(at)
         if self.shared is not None:
             self.shared.record(agreed, drafted, stood)
 

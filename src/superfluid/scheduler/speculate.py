@@ -23,7 +23,7 @@ from ..engine.drafting import Arm
 log = logging.getLogger("superfluid.scheduler")
 
 TRIALS = 8  # plain decodes a probe waits for (three times as many drafting ones come with them)
-PROBE_MAX = 256  # decodes a probe waits for them; where drafts are planned more seldom, none are kept
+PROBE_MAX = 128  # decodes a probe waits for them; where drafts are planned more seldom, none are kept
 HOLD_MIN = 64  # decodes a new decision stands before the next probe
 HOLD_MAX = 2048  # and the longest, for one that kept standing
 BUCKETS = ("1 lane", "2-3 lanes", "4-7 lanes", "8 lanes or more")  # decided apart
