@@ -145,6 +145,14 @@ def test_plan_gives_the_batch_room_to_the_lanes_most_likely_to_gain() -> None:
     assert plan([unsure, sure], 2, 2, 10, times) == [0, 10]
 
 
+def test_one_lane_drafts_in_a_decode_of_several() -> None:
+    acceptance = trained(8, True)
+    times = measured({n: 1.0 + 0.01 * (n - 4) for n in range(4, 65)}, lanes=4)
+    lanes = [choice(acceptance, 8, 6), choice(acceptance, 8, 15), choice(acceptance, 8, 6)]
+    # every lane's drafts would pay, but each run of drafting lanes costs llama.cpp a pass of its own
+    assert plan(lanes, 4, 4, 100, times) == [0, 15, 0]
+
+
 def test_a_lane_starts_from_the_engines_odds_and_moves_to_its_own() -> None:
     engine = trained(8, True)
     lane = Acceptance(engine)

@@ -306,8 +306,14 @@ class Candidate:
 def plan(candidates: Sequence[Candidate], draws: int, positions: int, room: int, times: DecodeTimes) -> list[int]:
     """Each candidate's draft length for a decode that already holds `positions` positions and `draws`
     drawing lanes, with room for `room` more: the lengths that make the decode's expected tokens per
-    second highest (each lane in turn, the others as chosen so far), or every candidate's longest
-    where it does not adapt."""
+    second highest, or every candidate's longest where it does not adapt.
+
+    Of the lanes that adapt, only the one likeliest to gain drafts. llama.cpp decodes a batch whose
+    sequences carry unequal numbers of positions in several passes (each KV stream takes as many
+    positions as the others in a pass): every lane's first position in one, then the drafts, each run
+    of consecutive drafting lanes in a pass of its own, and a pass costs about a decode of its lanes.
+    One drafting lane adds one pass, which `DecodeTimes` measures as the decode's size; several would
+    add passes that size does not tell."""
     lengths = [0] * len(candidates)
     tokens = float(draws)
     for i, c in enumerate(candidates):
@@ -316,26 +322,15 @@ def plan(candidates: Sequence[Candidate], draws: int, positions: int, room: int,
             room -= lengths[i]
             tokens += c.gains[lengths[i]]
             positions += lengths[i]
-    costs: dict[int, float | None] = {}
-
-    def cost(size: int) -> float | None:
-        if size not in costs:
-            costs[size] = times.cost(draws, size)
-        return costs[size]
-
-    order = sorted((i for i, c in enumerate(candidates) if c.adaptive), key=lambda i: -candidates[i].gains[-1])
-    for i in order:
-        base = cost(positions)
-        if base is None:
-            break  # nothing measured yet: this decode measures
-        gains = candidates[i].gains
-        best, best_rate = 0, tokens / base
-        for n in range(1, min(len(gains) - 1, room) + 1):
-            spent = cost(positions + n)
-            if spent is not None and (tokens + gains[n]) / spent > best_rate:
-                best, best_rate = n, (tokens + gains[n]) / spent
-        lengths[i] = best
-        tokens += gains[best]
-        positions += best
-        room -= best
+    adaptive = [i for i, c in enumerate(candidates) if c.adaptive]
+    base = times.cost(draws, positions)
+    if not adaptive or base is None:
+        return lengths  # nothing measured yet: this decode measures
+    i = max(adaptive, key=lambda k: candidates[k].gains[-1])
+    gains = candidates[i].gains
+    best_rate = tokens / base
+    for n in range(1, min(len(gains) - 1, room) + 1):
+        spent = times.cost(draws, positions + n)
+        if spent is not None and (tokens + gains[n]) / spent > best_rate:
+            lengths[i], best_rate = n, (tokens + gains[n]) / spent
     return lengths
