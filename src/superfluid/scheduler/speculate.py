@@ -79,9 +79,9 @@ class SpecProbe:
     A decision holds `HOLD_MIN` decodes, then the next probe; a decision that stands when probed again
     holds twice as long the next time, up to `HOLD_MAX`. Decodes where the engine plans no draft are the
     same either way, and a probe waits for enough of the others, up to `PROBE_MAX` decodes: where the
-    engine plans drafts more seldom than that (eight lanes on a CPU, whose decode is already
-    compute-bound), they cannot gain much, while looking them up costs every decode a little, so
-    drafting stops.
+    engine plans drafts more seldom than that (several lanes on a CPU, where a draft costs llama.cpp a
+    pass of its own), they cannot gain much, while a probe that waited longer would draft all along,
+    so drafting stops.
 
     A decision to draft was measured on text whose drafts stood so often; while it holds, each `WATCH`
     drafted tokens are compared with that share, and a hold whose drafts stand less than `CHANGED` times as
