@@ -22,6 +22,7 @@ from superfluid.scheduler.speculate import (
     HOLD_MAX,
     HOLD_MIN,
     PROBE_MAX,
+    SELDOM_HOLD,
     TRIALS,
     WATCH,
     SpecGate,
@@ -545,8 +546,8 @@ def test_a_probe_where_drafts_are_seldom_planned_stops_drafting() -> None:
         gate.record(8, Arm(1, 3, 0.01), Arm())
     assert gate.phase == "probe"
     gate.record(8, Arm(), Arm(1, 1, 0.01))
-    assert gate.phase == "hold" and not gate.allows(), "too few trials to gain from, and lookups cost every decode"
-    assert gate.hold == HOLD_MIN
+    assert gate.phase == "hold" and not gate.allows(), "too few trials to gain from"
+    assert gate.hold == SELDOM_HOLD, "and a probe soon would tell little"
 
 
 def _stutter(held: list[int]) -> int:

@@ -24,6 +24,7 @@ log = logging.getLogger("superfluid.scheduler")
 
 TRIALS = 8  # plain decodes a probe waits for (three times as many drafting ones come with them)
 PROBE_MAX = 128  # decodes a probe waits for them; where drafts are planned more seldom, none are kept
+SELDOM_HOLD = 256  # the shortest hold of such a decision
 HOLD_MIN = 64  # decodes a new decision stands before the next probe
 HOLD_MAX = 2048  # and the longest, for one that kept standing
 BUCKETS = ("1 lane", "2-3 lanes", "4-7 lanes", "8 lanes or more")  # decided apart
@@ -81,7 +82,7 @@ class SpecProbe:
     same either way, and a probe waits for enough of the others, up to `PROBE_MAX` decodes: where the
     engine plans drafts more seldom than that (several lanes on a CPU, where a draft costs llama.cpp a
     pass of its own), they cannot gain much, while a probe that waited longer would draft all along,
-    so drafting stops.
+    so drafting stops, for at least `SELDOM_HOLD` decodes.
 
     A decision to draft was measured on text whose drafts stood so often; while it holds, each `WATCH`
     drafted tokens are compared with that share, and a hold whose drafts stand less than `CHANGED` times as
@@ -151,6 +152,8 @@ class SpecProbe:
         drafting = measured and self.speedup >= self.min_speedup
         stood = self.decisions and not self._changed and drafting == self.drafting
         self.hold = min(2 * self.hold, HOLD_MAX) if stood else HOLD_MIN
+        if not measured:  # the plan itself seldom finds a draft worth making: a probe soon would tell little
+            self.hold = max(self.hold, SELDOM_HOLD)
         self.drafting, self.probing = drafting, False
         self.decisions += 1
         if measured:
