@@ -100,7 +100,7 @@ class ServeConfig:
     advertise: str | None = None  # where clients reach this daemon's --web, told to those sent elsewhere
     lease_renew: float = 2.0  # seconds between renewals of the session leases (with --store)
     lease_expiry: float = 10.0  # seconds a lease lasts unrenewed
-    speculate: str = "off"  # off, auto or prompt-lookup
+    speculate: str = "auto"  # off, auto or prompt-lookup
     spec_draft_tokens: int = 15  # the longest draft; --spec-adaptive picks each one's length below it
     spec_adaptive: bool = True
     spec_min_speedup: float = 1.08

@@ -366,11 +366,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     generation.add_argument(
         "--speculate",
         type=_speculate,
-        default="off",
+        default="auto",
         metavar="MODE",
         help="speculative decoding by prompt lookup: drafts of a lane's next tokens from its own stream, verified "
         "in the lane's next decode; prompt-lookup always drafts, auto drafts while measured decode is at least "
-        "--spec-min-speedup faster, off never (default: off)",
+        "--spec-min-speedup faster, off never (default: auto)",
     )
     generation.add_argument(
         "--spec-draft-tokens",
