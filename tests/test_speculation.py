@@ -38,7 +38,7 @@ SENTENCE = "The cat sat on the mat. "
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    proc = HttpDaemon(tmp_path_factory.mktemp("plain"), max_context=2048, max_batch=4).start()
+    proc = HttpDaemon(tmp_path_factory.mktemp("plain"), "--speculate", "off", max_context=2048, max_batch=4).start()
     yield proc
     proc.stop()
 
