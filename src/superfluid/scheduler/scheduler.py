@@ -836,13 +836,13 @@ class Scheduler:
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
         self._measure(plan, took, total, decodes if decode_only else 0, draft > 0)
-        if decode_only and self.gate is not None:
-            proposed = sum(tried for tried, _ in step.spec.values())
-            accepted = sum(kept for _, kept in step.spec.values())
-            self.gate.record(len(plan), decodes, step.drafted, step.plain, proposed, accepted)
         jobs = {index: lane.job for lane, index in owners}
+        drafted = stood = 0
         for index, (proposed, accepted) in step.spec.items():
             self._record_draft(jobs[index], proposed, accepted)
+            drafted, stood = drafted + proposed, stood + accepted
+        if decode_only and self.gate is not None:
+            self.gate.record(len(plan), decodes, step.drafted, step.plain, drafted, stood)
         for lane, chunk, _ in plan:
             lane.held.extend(chunk)
             del lane.feed[: len(chunk)]
