@@ -215,7 +215,7 @@ def test_stored_records_input_items_and_delete(oa: openai.OpenAI) -> None:
 
 def test_refusals(oa: openai.OpenAI) -> None:
     refused = [
-        ({"tools": [{"type": "web_search"}]}, "unsupported_tool"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "unsupported_tool"),
         ({"background": True}, "unsupported_parameter"),
         ({"conversation": "conv_1"}, "unsupported_parameter"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_parameter"),

@@ -181,6 +181,10 @@ def test_every_route_but_health_needs_a_key(keyed: HttpDaemon, method: str, path
     for headers in ({}, bearer("wrong"), {"X-Api-Key": "wrong"}):
         refused = httpx.request(method, f"{keyed.url}{path}", json=body, headers=headers, timeout=60)
         assert refused.status_code == 401, (path, headers)
+        if path.startswith("/v1/messages"):  # Anthropic's shape
+            assert refused.json()["type"] == "error"
+            assert refused.json()["error"]["type"] == "authentication_error"
+            continue
         error = refused.json()["error"]
         assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     for headers in (bearer(GOOD), {"X-Api-Key": GOOD}, bearer(ADMIN)):

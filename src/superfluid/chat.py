@@ -35,6 +35,7 @@ from .protocol.schema import (
     Request,
 )
 from .runtime import Runtime
+from .scheduler.prompt_pins import DEFAULT_TTL_MS
 
 B = EventBody
 
@@ -72,6 +73,9 @@ class ChatRequest:
     # (session, event): continue that stored conversation after the event, warm; `messages` are then
     # only the new turns, with text content
     fork: tuple[int, int] | None = None
+    # prompt-cache breakpoints: (message index, characters of its content) whose prefix is pinned
+    cache_marks: list[tuple[int, int]] = field(default_factory=list)
+    cache_ttl_ms: int = DEFAULT_TTL_MS
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class ChatRun:
                 param="logit_bias",
             )
         self._generation: Any = None
+        self.marked = 0  # prompt tokens up to the last prompt-cache breakpoint
         self.grammar = self._grammar()
         if request.fork is None:
             self.session, self.prompt_tokens = self._open()
@@ -163,7 +168,9 @@ class ChatRun:
                 prompt, opener = runtime.model.tokenize(request.prompt, False), []
             else:
                 tools = request.tools if request.tool_choice != "none" else []
-                prompt, opener = runtime.template.conversation(request.messages, tools, request.template_vars)
+                prompt, opener, marks = runtime.template.marked_conversation(
+                    request.messages, tools, request.template_vars, request.cache_marks
+                )
         except TemplateProblem as e:
             raise ChatError(str(e)) from None
         length = len(prompt) + len(opener)
@@ -173,6 +180,10 @@ class ChatRun:
                 f"{length} tokens; shorten the prompt or drop earlier turns",
                 code="context_length_exceeded",
             )
+        if request.prompt is None and marks and runtime.pins is not None:
+            for position in sorted(set(marks)):
+                if runtime.pins.pin(prompt[:position], request.cache_ttl_ms):
+                    self.marked = position
         session = self.daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
         return session, length
 

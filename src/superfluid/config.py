@@ -86,6 +86,7 @@ class ServeConfig:
     kernels: str = "fast"  # llama.cpp's own build ("fast") or the build whose logits ignore the batch ("exact")
     idle_timeout: float = 0.0  # unload a model (never the default) idle this long; 0 never
     max_tokens: int | None = None  # cap of a request that names none; None fills the context
+    pin_budget_pct: int = 50  # of the KV pool, at most, held by prefixes that prompt-cache marks pin
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     class_lanes: dict[int, int] = field(default_factory=dict)  # QoS class -> most lanes it may hold
     nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off

@@ -27,6 +27,7 @@ from .engine.local import Engine, LocalEngine
 from .model.resolve import ModelNotFound, resolve_model
 from .model.template import CHATML, ChatTemplate
 from .scheduler.park import Park, default_budget, park_fingerprint
+from .scheduler.prompt_pins import PromptPins
 from .scheduler.scheduler import Scheduler
 from .scheduler.speculate import SpecSettings
 
@@ -59,6 +60,7 @@ class Runtime:
     kernels: str = "exact"  # the llama.cpp build its engine runs on: "fast" or "exact"
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for requests that name none
     max_tokens: int | None = None  # a request's cap when it names none; None fills the window
+    pins: PromptPins | None = None  # prefixes that prompt-cache marks keep cached
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -208,6 +210,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         kernels,
         sampling=config.sampling.over(model_sampling(model.metadata)),
         max_tokens=config.max_tokens,
+        pins=PromptPins(scheduler, shape.pool_tokens * config.pin_budget_pct // 100),
     )
 
 

@@ -132,6 +132,13 @@ def _class_lanes(text: str) -> dict[int, int]:
     return caps
 
 
+def _percent(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage from 0 to 100, not {text}")
+    return value
+
+
 def _unit(low: float, high: float | None = None) -> Any:
     def parse(text: str) -> float:
         value = float(text)
@@ -421,6 +428,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="disk for parked KV states, least recently used dropped first (default: 20; 0 = unbounded)",
     )
+    generation.add_argument(
+        "--pin-budget-pct",
+        type=_percent,
+        default=50,
+        metavar="PCT",
+        help="the most of the KV pool that prompt-cache marks (Anthropic cache_control) may keep pinned; "
+        "the least recently marked prefix is released first (default: 50; 0 = marks pin nothing)",
+    )
 
     scheduling = serve.add_argument_group("scheduling")
     classes = ", ".join(sorted(QOS_ALIASES))
@@ -574,6 +589,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         park=args.park,
         park_budget_gb=max(0.0, args.park_budget_gb),
         max_tokens=args.max_tokens,
+        pin_budget_pct=args.pin_budget_pct,
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p, args.repeat_penalty),
         class_lanes=args.class_lanes,
         nonstream_keepalive=args.nonstream_keepalive,

@@ -78,6 +78,16 @@ def _object_end(text: str, start: int) -> int:
     return start + end
 
 
+def _agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
@@ -242,7 +252,24 @@ class ChatTemplate:
         calls written in the `<tool_call>` wire. `variables` (see `request_variables`) go to
         the template as they are.
         """
+        tokens, opener, _ = self.marked_conversation(messages, tools, variables)
+        return tokens, opener
+
+    def marked_conversation(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
+        marks: Sequence[tuple[int, int]] = (),
+    ) -> tuple[list[int], list[int], list[int]]:
+        """`conversation`, and where each mark falls in its tokens.
+
+        A mark is (message index, characters of that message's content): the prompt-cache
+        breakpoints of a request. Its position is the number of prompt tokens up to it (a
+        content's tokens are cut where its cut text's tokens stop agreeing with them).
+        """
         messages = [dict(m) for m in messages]
+        shift = 0  # messages put before the request's own
         extra: dict[str, Any] = self.request_variables(variables or {})
         if tools and self.supports_tools:
             extra["tools"] = tools
@@ -251,8 +278,10 @@ class ChatTemplate:
                 messages[0]["content"] = fallback_system_text(str(messages[0].get("content") or ""), tools)
             else:
                 messages.insert(0, {"role": "system", "content": fallback_system_text("", tools)})
+                shift = 1
         contents: list[str] = []
-        for message in messages:
+        piece_of: dict[int, int] = {}  # message index -> its content's piece
+        for index, message in enumerate(messages):
             if message.get("tool_calls") and not self.supports_tools:
                 markers = self.call_markers
                 calls = "".join(
@@ -263,6 +292,7 @@ class ChatTemplate:
             content = message.get("content")
             if isinstance(content, str) and content:
                 message["content"] = _SENTINEL.format(len(contents))
+                piece_of[index] = len(contents)
                 contents.append(content)
             elif content is None:
                 message["content"] = ""
@@ -271,14 +301,25 @@ class ChatTemplate:
         if not opened.startswith(closed):
             raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
         tokens: list[int] = []
+        starts: dict[int, int] = {}  # piece -> its first token
         for index, part in enumerate(_SENTINEL_RE.split(closed)):
             if index % 2:
+                starts[int(part)] = len(tokens)
                 tokens += self._tokenize(contents[int(part)], False)
             else:
                 tokens += self._tokenize(part, True)
-        if self._bos_token is not None and tokens[:1] != [self._bos_token]:
+        bos = int(self._bos_token is not None and tokens[:1] != [self._bos_token])
+        if bos:
             tokens.insert(0, self._bos_token)
-        return tokens, self._tokenize(opened[len(closed) :], True)
+        positions = []
+        for message, chars in marks:
+            piece = piece_of.get(message + shift)
+            if piece is None or piece not in starts:
+                continue
+            whole = self._tokenize(contents[piece], False)
+            cut = whole if chars >= len(contents[piece]) else self._tokenize(contents[piece][:chars], False)
+            positions.append(bos + starts[piece] + _agreeing(whole, cut))
+        return tokens, self._tokenize(opened[len(closed) :], True), positions
 
     def opener(self) -> list[int]:
         """Tokens that open an assistant turn after an input turn."""

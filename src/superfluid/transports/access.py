@@ -58,6 +58,8 @@ PEERS_KEPT = 4096  # client IPs metered before the buckets that filled up again 
 
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 503: "server_error"}
+ANTHROPIC_ROUTE = "/v1/messages"
+ANTHROPIC_TYPES = {**ERROR_TYPES, 503: "overloaded_error"}
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,13 @@ class AccessGate:
             return
         refusal, key = self._admit(scope)
         if refusal is not None:
-            payload = json.dumps(refusal.body).encode()
+            body = refusal.body
+            if scope["path"].startswith(ANTHROPIC_ROUTE):  # Anthropic's clients read their own error shape
+                body = {
+                    "type": "error",
+                    "error": {"type": ANTHROPIC_TYPES[refusal.status], "message": body["error"]["message"]},
+                }
+            payload = json.dumps(body).encode()
             headers = [*refusal.headers, (b"content-length", str(len(payload)).encode())]
             await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
             await send({"type": "http.response.body", "body": payload})

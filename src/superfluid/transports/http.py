@@ -51,14 +51,20 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
         origin = request.headers.get("origin")
+
+        def refuse(message: str, status: int, code: str) -> Response:
+            if request.url.path.startswith(anthropic.ROUTE):
+                return anthropic.error(message, status)
+            return openai.error(message, status, code)
+
         if origin and not _loopback_name(_host_of(origin)):
-            return openai.error(f"origin {origin} is not this machine", 403, "origin_refused")
+            return refuse(f"origin {origin} is not this machine", 403, "origin_refused")
         host = request.headers.get("host", "")
         if loopback and host and not _loopback_name(_host_of(host)):
-            return openai.error(f"host {host} is not a loopback name", 403, "host_refused")
+            return refuse(f"host {host} is not a loopback name", 403, "host_refused")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > BODY_LIMIT:
-            return openai.error(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
+            return refuse(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -68,6 +74,8 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
         )
         if request.url.path.startswith("/api/"):
             return ollama.error(problems)
+        if request.url.path.startswith(anthropic.ROUTE):
+            return anthropic.error(problems)
         return openai.error(problems)
 
     @app.get("/health")

@@ -114,7 +114,7 @@ def chat_turns(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": item["role"], "content": item["content"]})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function"}
-            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+            call["function"] = {"name": qualified(item["name"], item.get("namespace")), "arguments": item["arguments"]}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
@@ -123,6 +123,18 @@ def chat_turns(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
+
+
+def qualified(name: str, namespace: str | None) -> str:
+    """The name the model knows a function by: `namespace.name` for a function of a namespace tool
+    (function names have no dots, so the first one splits it back)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def split_name(name: str) -> dict[str, str]:
+    """A called function's `name`, and its `namespace` when it has one."""
+    namespace, dot, inner = name.partition(".")
+    return {"name": inner, "namespace": namespace} if dot else {"name": name}
 
 
 class Output:
@@ -199,7 +211,7 @@ class Output:
             "type": "function_call",
             "status": "in_progress",
             "call_id": piece.call_id,
-            "name": piece.name,
+            **split_name(piece.name),
             "arguments": "",
         }
         where = {"item_id": item["id"], "output_index": index}
@@ -211,7 +223,7 @@ class Output:
             {
                 "type": "response.function_call_arguments.done",
                 **where,
-                "name": piece.name,
+                **split_name(piece.name),
                 "arguments": piece.arguments,
             },
             {"type": "response.output_item.done", "output_index": index, "item": done},

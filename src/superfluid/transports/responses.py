@@ -41,7 +41,7 @@ from .access import request_key
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .extras import EFFORTS
 from .openai import GONE, SampledBody, chat_messages, error
-from .response_items import Event, Output, appendable, chat_turns, input_items, new_id
+from .response_items import Event, Output, appendable, chat_turns, input_items, new_id, qualified
 
 log = logging.getLogger("superfluid.responses")
 
@@ -97,11 +97,30 @@ class Turn:
     run: ChatRun
 
 
+# Built-in tools OpenAI runs on its side. Codex declares web search by default; a model that is
+# never offered it just does not search, so it is left out rather than refused.
+LEFT_OUT_TOOLS = ("web_search", "web_search_preview")
+
+
 def function_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Function tools in the chat form; ChatError for a built-in tool, which only OpenAI runs."""
+    """Function tools in the chat form, the functions of `namespace` tools among them (named
+    `namespace.function`); ChatError for a built-in tool, which only OpenAI runs."""
     tools = []
     for index, tool in enumerate(raw or []):
         kind = tool.get("type")
+        if kind in LEFT_OUT_TOOLS:
+            continue
+        if kind == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not isinstance(tool.get("name"), str):
+                raise ChatError(
+                    f"tools[{index}] is a namespace without a name and a list of tools", param=f"tools[{index}]"
+                )
+            for number, function in enumerate(inner):
+                where = f"tools[{index}].tools[{number}]"
+                named = {**function, "name": qualified(str(function.get("name")), tool["name"])}
+                tools.append(_function(named, where))
+            continue
         if kind != "function":
             raise ChatError(
                 f"tools[{index}] is a {kind} tool: superfluid runs no built-in tools; declare function tools "
@@ -109,12 +128,18 @@ def function_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
                 code="unsupported_tool",
                 param=f"tools[{index}]",
             )
-        declared = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
-        try:
-            tools.append(normalize_tool(declared))
-        except ToolDeclarationError as e:
-            raise ChatError(f"tools[{index}] is not a function declaration: {e}", param=f"tools[{index}]") from None
+        tools.append(_function(tool, f"tools[{index}]"))
     return tools
+
+
+def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise ChatError(f"{where} is a {tool.get('type')} tool: a namespace holds function tools", param=where)
+    declared = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+    try:
+        return normalize_tool(declared)
+    except ToolDeclarationError as e:
+        raise ChatError(f"{where} is not a function declaration: {e}", param=where) from None
 
 
 def tool_choice(raw: str | dict[str, Any] | None) -> str | dict[str, Any]:
