@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__
-from .config import default_socket
+from .config import DEFAULT_HTTP, default_socket
 from .serve_flags import add_serve_arguments, apply_environment, http_address, serve_config
 
 DESCRIPTION = """\
@@ -87,8 +87,59 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="sent as a Bearer token, for keyed daemons (default: $SUPERFLUID_API_KEY, which keeps it out of ps)",
     )
+    _agent_commands(commands)
     commands.add_parser("version", help="print the version")
     return parser
+
+
+def _agent_commands(commands: Any) -> None:
+    """`launch` runs a coding agent against a daemon; `stop` stops the daemon `launch` started."""
+    from .agents.table import AGENTS
+
+    listing = "\n".join(f"  {a.name:<9} {a.title} ({a.api})" for a in AGENTS.values())
+    launch = commands.add_parser(
+        "launch",
+        usage="superfluid launch AGENT [options] [-- ARGS for the agent]",
+        help="run a coding agent (claude, codex, opencode, aider, ollama, llm) against superfluid",
+        description="Run AGENT pointed at the daemon that answers at --http, starting one in the background when "
+        "none does. The agent gets settings for this run only (environment variables, or files under "
+        "$SUPERFLUID_HOME/agents/AGENT): your own configuration is left as it is. Its requests run in the agent "
+        "QoS class. Arguments after -- go to the agent.",
+        epilog=f"agents:\n{listing}\n\nexamples:\n  superfluid launch claude -- -p 'what does this repo do?'\n"
+        "  superfluid launch codex --model ~/models/qwen3-coder-30b.gguf --max-context 32768\n"
+        "  superfluid stop",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument("agent", metavar="AGENT", help=f"one of: {', '.join(AGENTS)}")
+    launch.add_argument(
+        "--http",
+        default=os.environ.get("SUPERFLUID_HTTP", DEFAULT_HTTP),
+        metavar="ADDR",
+        help=f"the daemon's HTTP address (default: $SUPERFLUID_HTTP, else {DEFAULT_HTTP})",
+    )
+    launch.add_argument(
+        "--api-key",
+        default=os.environ.get("SUPERFLUID_API_KEY"),
+        metavar="KEY",
+        help="the daemon's key, given to the agent (default: $SUPERFLUID_API_KEY)",
+    )
+    launch.add_argument(
+        "--model", default=None, metavar="MODEL", help="the model to serve and use (default: the daemon's)"
+    )
+    launch.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the window of a daemon launch starts (default: the model's, at most 8192)",
+    )
+    launch.set_defaults(agent_args=[])  # what follows --, split off before parsing (see `main`)
+    commands.add_parser(
+        "stop",
+        help="stop the daemon `superfluid launch` started",
+        description="Stop the daemon that `superfluid launch` started in the background (SIGTERM, as Ctrl-C would); "
+        "a daemon started any other way is left alone.",
+    )
 
 
 def _client_commands(commands: Any) -> None:
@@ -132,9 +183,31 @@ def _client_commands(commands: Any) -> None:
     with_socket(media_verbs.add_parser("gc", help="remove blobs no session references; prints kept and removed"))
 
 
+def _run_agent_command(args: argparse.Namespace) -> int:
+    from .agents.launch import LaunchError, launch, stop_recorded
+
+    if args.command == "stop":
+        print(f"superfluid: {stop_recorded()}", file=sys.stderr)
+        return 0
+    serve_args = [*(["--model", args.model] if args.model else [])]
+    serve_args += ["--max-context", str(args.max_context)] if args.max_context else []
+    try:
+        return launch(args.agent, args.agent_args, args.http, args.api_key, args.model, serve_args)
+    except LaunchError as e:
+        print(f"superfluid launch: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # `launch AGENT ... -- ARGS`: what follows -- is the agent's, whatever it looks like
+    passed: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:
+        argv, passed = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = parser.parse_args(argv)
+    if passed:
+        args.agent_args = passed
     if args.command == "serve":
         from .logsetup import LogPane, parse_directive, setup_logging
         from .serve import run
@@ -173,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
         Top(args.addresses, args.api_key).run()
         return 0
+    if args.command in ("launch", "stop"):
+        return _run_agent_command(args)
     if args.command == "version":
         print(f"superfluid {__version__}")
         return 0
