@@ -45,7 +45,7 @@ else
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
 endif
 
-.PHONY: serve test bench peers system-packages clean
+.PHONY: serve test bench peers system-packages agents clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/superfluid serve
 
-test: $(STAMP) system-packages
+test: $(STAMP) system-packages agents
 	$(BIN)/ruff check src tests clients bench
 	$(BIN)/ruff format --check src tests clients bench
 	$(BIN)/pytest -q --durations=15
@@ -85,10 +85,30 @@ $(PEERS)/fast/bin/llama-server: | $(STAMP)
 $(PEERS)/exact/bin/llama-batched-bench: | $(STAMP)
 	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) exact "$(LLAMA_CMAKE_ARGS)" llama-batched-bench
 
+# The coding agents the tests run against the daemon (`superfluid launch`), at the versions the
+# context figures of src/superfluid/agents/table.py were measured on: Claude Code, Codex and
+# opencode from npm, aider and llm from PyPI in virtual environments of their own (aider pins
+# many packages). Their commands are linked into .venv/agents/bin, which the tests put on PATH.
+AGENTS := $(VENV)/agents
+AGENT_VERSIONS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33 aider-chat==0.86.2 llm==0.36
+AGENT_STAMP := $(AGENTS)/.installed-$(shell echo '$(AGENT_VERSIONS)' | md5sum | cut -c1-8)
+
+agents: $(AGENT_STAMP)
+
+$(AGENT_STAMP): | $(STAMP) system-packages
+	rm -rf $(AGENTS) && mkdir -p $(AGENTS)/bin
+	npm install --silent --no-audit --no-fund --prefix $(AGENTS)/npm $(filter @% opencode%,$(AGENT_VERSIONS))
+	$(PYTHON) -m venv $(AGENTS)/aider && $(AGENTS)/aider/bin/pip install --quiet $(filter aider%,$(AGENT_VERSIONS))
+	$(PYTHON) -m venv $(AGENTS)/llm && $(AGENTS)/llm/bin/pip install --quiet $(filter llm%,$(AGENT_VERSIONS))
+	for c in claude codex opencode; do ln -sfn ../npm/node_modules/.bin/$$c $(AGENTS)/bin/$$c; done
+	ln -sfn ../aider/bin/aider $(AGENTS)/bin/aider && ln -sfn ../llm/bin/llm $(AGENTS)/bin/llm
+	touch $@
+
 # The browser tests drive Debian's chromium with Playwright (no browser download); the monitor's
 # smoke test runs `superfluid serve` on tmux's pseudo-terminal;
-# the PostgreSQL store's tests start a cluster of their own: Debian's postgresql (initdb off PATH)
-SYSTEM_PACKAGES := chromium tmux postgresql
+# the PostgreSQL store's tests start a cluster of their own: Debian's postgresql (initdb off PATH);
+# npm installs the coding agents
+SYSTEM_PACKAGES := chromium tmux postgresql npm
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || \
 		ls /usr/lib/$$p/*/bin/initdb >/dev/null 2>&1 || echo $$p; done); \

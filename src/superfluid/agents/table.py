@@ -184,7 +184,7 @@ AGENTS = {
             "opencode",
             "npm install -g opencode-ai",
             "OpenAI /v1/chat/completions",
-            10_000,
+            7_800,
             _opencode,
         ),
         Agent("aider", "aider", "aider", "pip install aider-chat", "OpenAI /v1/chat/completions", 2_000, _aider),

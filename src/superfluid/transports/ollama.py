@@ -146,7 +146,7 @@ async def _keep_alive(daemon: Daemon, http: Request, model: str | None, keep_ali
 def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     api = APIRouter()
 
-    @api.get("/")
+    @api.api_route("/", methods=["GET", "HEAD"])  # Claude Code's first request is HEAD /
     async def root() -> Response:
         return PlainTextResponse("superfluid is running")
 

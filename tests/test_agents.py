@@ -1,0 +1,249 @@
+"""The coding agents people run, run against the daemon through `superfluid launch`.
+
+Claude Code, Codex, aider and llm are the real programs (`make test` installs them into
+.venv/agents; opencode too, whose 7,700-token prompt takes minutes to prefill on two cores,
+so it is run by hand: docs/agents/opencode.md). Each is pointed at a recording proxy in front
+of the daemon, so a test sees every request the agent made and every answer it got: none may
+be refused or fail, each must claim the agent QoS class, and the agent must print the reply
+the model gave. On the embedded model the replies are nonsense; what is asserted is the
+protocol and the serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import HttpDaemon, free_port
+
+AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
+SUPERFLUID = [sys.executable, "-m", "superfluid"]
+
+
+@dataclass
+class Exchange:
+    """One request an agent made, and the daemon's answer."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    status: int
+    reply: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class RecordingProxy:
+    """Forwards to the daemon and keeps every exchange (replies are passed on whole, streams too)."""
+
+    upstream: str
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                answer = httpx.request(
+                    self.command, proxy.upstream + self.path, headers=headers, content=body, timeout=600
+                )
+                exchange = Exchange(
+                    self.command, self.path.split("?")[0], {k.lower(): v for k, v in self.headers.items()}, body,
+                    answer.status_code, answer.content,
+                )  # fmt: skip
+                proxy.exchanges.append(exchange)
+                self.send_response(answer.status_code)
+                for key, value in answer.headers.items():
+                    if key.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("content-length", str(len(answer.content)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer.content)
+
+            do_GET = do_POST = do_HEAD = do_DELETE = forward
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.address = f"127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def generations(self, path: str) -> list[Exchange]:
+        return [e for e in self.exchanges if e.method == "POST" and e.path == path]
+
+    def check(self) -> None:
+        """Nothing refused or failed, and every generation in the agent class."""
+        failed = [(e.method, e.path, e.status, e.reply[:300]) for e in self.exchanges if e.status >= 400]
+        assert not failed, failed
+        for exchange in self.exchanges:
+            if exchange.method == "POST" and exchange.path.startswith(("/v1/", "/api/")):
+                assert exchange.headers.get("x-superfluid-qos") == "agent", (exchange.path, exchange.headers)
+
+
+def streamed_text(exchange: Exchange) -> str:
+    """The text of a reply, streamed (server-sent events) or whole, in any of the three APIs."""
+    if not exchange.reply.lstrip().startswith((b"event:", b"data:")):
+        body = json.loads(exchange.reply)
+        if "choices" in body:
+            return body["choices"][0]["message"]["content"] or ""
+        if "output" in body:
+            return "".join(p["text"] for i in body["output"] if i["type"] == "message" for p in i["content"])
+        return "".join(b.get("text", "") for b in body["content"] if b["type"] == "text")
+    text = ""
+    for line in exchange.reply.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[len("data: ") :])
+        if event.get("type") == "content_block_delta" and event["delta"]["type"] == "text_delta":
+            text += event["delta"]["text"]
+        elif event.get("type") == "response.output_text.delta":
+            text += event["delta"]
+        elif event.get("choices"):
+            text += event["choices"][0].get("delta", {}).get("content") or ""
+    return text
+
+
+def words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # a request that names no limit (Codex, aider, llm) stops at 200 tokens: a 135M model may ramble to the window
+    daemon = HttpDaemon(tmp_path_factory.mktemp("agents"), "--max-tokens", "200", max_context=8192, max_batch=2)
+    daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture
+def proxy(served: HttpDaemon) -> RecordingProxy:
+    recorder = RecordingProxy(served.url)
+    yield recorder
+    recorder.server.shutdown()
+
+
+def launch(address: str, agent: str, args: list[str], home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`superfluid launch AGENT --http ADDRESS -- ARGS` with the installed agents on PATH, in `home`."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PATH": f"{AGENT_BIN}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "SUPERFLUID_HOME": str(home / ".superfluid"),
+        # Claude Code asks for 32,000 tokens; a reply that fills the window would leave its continuation no room
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200",
+    }
+    command = [*SUPERFLUID, "launch", agent, "--http", address, "--", *args]
+    return subprocess.run(command, cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ran(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def test_claude_code_answers_and_its_second_run_with_the_same_tools_is_warm(
+    proxy: RecordingProxy, served: HttpDaemon, tmp_path: Path
+) -> None:
+    # the default system prompt with two tools (about 2,800 tokens): its 25 tools are 23,000
+    lean = ["--tools", "Read,Bash", "--output-format", "json", "-p"]
+    first = json.loads(ran(launch(proxy.address, "claude", [*lean, "Say hello."], tmp_path)))
+    assert first["is_error"] is False and first["subtype"] == "success", first
+    asked = proxy.generations("/v1/messages")
+    assert asked and words(first["result"]) == words(streamed_text(asked[-1]))
+    body = asked[-1].json()
+    assert any("cache_control" in block for block in body["system"])  # what the warm turn relies on
+    warm_before = served.metric("superfluid_generation_warm_prefix_tokens_total")
+    second = json.loads(ran(launch(proxy.address, "claude", [*lean, "Say goodbye."], tmp_path)))
+    assert second["is_error"] is False, second
+    usage = second["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+    assert usage["cache_read_input_tokens"] >= 0.9 * prompt, usage
+    warm = served.metric("superfluid_generation_warm_prefix_tokens_total") - warm_before
+    assert warm >= 0.9 * prompt, (warm, prompt)
+    proxy.check()
+
+
+def test_codex_answers_through_the_responses_api(proxy: RecordingProxy, tmp_path: Path) -> None:
+    # Codex's own instructions are about 4,000 tokens; with a short file in their place its prompt
+    # (its tools, namespace ones among them) is about 5,100
+    instructions = tmp_path / "instructions.md"
+    instructions.write_text("You are a coding agent. Answer in one short sentence.\n")
+    args = ["exec", "--skip-git-repo-check", "-c", f"model_instructions_file={json.dumps(str(instructions))}"]
+    out = ran(launch(proxy.address, "codex", [*args, "Say hello."], tmp_path))
+    asked = proxy.generations("/v1/responses")
+    assert asked and words(streamed_text(asked[-1])) in words(out)
+    tools = asked[-1].json()["tools"]
+    assert any(tool["type"] == "namespace" for tool in tools), [tool["type"] for tool in tools]
+    proxy.check()
+
+
+def test_aider_answers_a_message(proxy: RecordingProxy, tmp_path: Path) -> None:
+    args = ["--message", "Say hello.", "--no-git", "--yes-always", "--no-pretty", "--no-analytics"]
+    out = ran(launch(proxy.address, "aider", args, tmp_path))
+    asked = proxy.generations("/v1/chat/completions")
+    assert asked and words(streamed_text(asked[-1])) in words(out)
+    proxy.check()
+
+
+def test_llm_answers_a_prompt(proxy: RecordingProxy, tmp_path: Path) -> None:
+    out = ran(launch(proxy.address, "llm", ["Say hello."], tmp_path))
+    asked = proxy.generations("/v1/chat/completions")
+    assert asked and words(out) == words(streamed_text(asked[-1]))
+    proxy.check()
+
+
+def test_launch_starts_a_daemon_when_none_answers_and_stop_stops_only_that_one(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    home = tmp_path / "home"
+    record = home / ".superfluid" / "launch" / "launch.json"
+    started = launch(address, "llm", ["Say hello."], home)
+    ran(started)
+    assert "starting a daemon" in started.stderr
+    pid = json.loads(record.read_text())["pid"]
+    assert httpx.get(f"http://{address}/health").status_code == 200
+    again = launch(address, "llm", ["Say hello."], home)  # the running one is used
+    ran(again)
+    assert "starting a daemon" not in again.stderr and json.loads(record.read_text())["pid"] == pid
+    env = {**os.environ, "SUPERFLUID_HOME": str(home / ".superfluid")}
+    stop = subprocess.run([*SUPERFLUID, "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and f"pid {pid}" in stop.stderr, stop.stderr
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{address}/health")
+    stop = subprocess.run([*SUPERFLUID, "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and "no daemon" in stop.stderr
+
+
+def test_launch_refuses_what_cannot_run(served: HttpDaemon, tmp_path: Path) -> None:
+    address = served.url.removeprefix("http://")
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SUPERFLUID_HOME": str(tmp_path)}
+    missing = subprocess.run(
+        [*SUPERFLUID, "launch", "claude", "--http", address], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 1 and "npm install -g @anthropic-ai/claude-code" in missing.stderr
+    # Claude Code as it comes sends 23,000 tokens; this model's window is 8,192: refused before it runs
+    whole = launch(address, "claude", ["-p", "Say hello."], tmp_path)
+    assert whole.returncode == 1, whole.stdout
+    assert "23,000 tokens" in whole.stderr and "8,192" in whole.stderr and "--tools Read,Bash" in whole.stderr
+    unknown = launch(address, "cursor", [], tmp_path)
+    assert unknown.returncode == 1 and "known agents: claude, codex" in unknown.stderr
