@@ -178,6 +178,79 @@ def test_anthropic_messages(api: HttpDaemon) -> None:
     assert tool_turn.stop_reason in ("max_tokens", "end_turn", "tool_use")
 
 
+CITY_ANTHROPIC = {
+    "name": CITY_FUNCTION["name"],
+    "description": CITY_FUNCTION["description"],
+    "input_schema": CITY_FUNCTION["parameters"],
+}
+
+
+def test_anthropic_tool_choice_forces_the_call_or_leaves_the_tools_out(api: HttpDaemon) -> None:
+    client = anthropic.Anthropic(base_url=api.url, api_key="unused")
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        reply = client.messages.create(
+            model="smollm2", max_tokens=64, tools=[CITY_ANTHROPIC], tool_choice=choice, messages=question
+        )
+        calls = [block for block in reply.content if block.type == "tool_use"]
+        assert reply.stop_reason == "tool_use" and calls, (choice, reply)
+        assert calls[0].name == "get_weather" and calls[0].input["city"] in ("Paris", "Oslo", "Lima")
+    count = client.messages.count_tokens
+    with_tools = count(model="smollm2", tools=[CITY_ANTHROPIC], messages=question).input_tokens
+    without = count(model="smollm2", tools=[CITY_ANTHROPIC], tool_choice={"type": "none"}, messages=question)
+    assert without.input_tokens == count(model="smollm2", messages=question).input_tokens < with_tools
+
+
+def test_anthropic_what_claude_code_sends(api: HttpDaemon) -> None:
+    """System entries inside messages, a billing block, cache_control breakpoints, and the cache they ask for."""
+    client = anthropic.Anthropic(base_url=api.url, api_key="unused")
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.7d4; cc_entrypoint=cli;"},
+        {"type": "text", "text": "You are a fastidious harbour master. " * 40, "cache_control": {"type": "ephemeral"}},
+    ]
+    first_turn = [
+        {"type": "text", "text": "<reminder>Today is a Tuesday.</reminder>"},
+        {"type": "text", "text": "Which ship came in?", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ]
+    messages = [{"role": "user", "content": first_turn}, {"role": "system", "content": "Tools: none today."}]
+    counted = client.messages.count_tokens(model="smollm2", system=system, messages=messages).input_tokens
+    billed = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a01;"}, system[1]]
+    assert client.messages.count_tokens(model="smollm2", system=billed, messages=messages).input_tokens == counted
+    cold = client.messages.create(model="smollm2", max_tokens=4, system=system, messages=messages)
+    prompt = cold.usage.input_tokens + cold.usage.cache_read_input_tokens + cold.usage.cache_creation_input_tokens
+    assert prompt == counted and cold.usage.cache_creation_input_tokens >= 0.8 * counted, cold.usage
+    assert cold.usage.cache_read_input_tokens < 0.2 * counted, cold.usage
+    warm = client.messages.create(model="smollm2", max_tokens=4, system=billed, messages=messages)
+    assert warm.usage.cache_read_input_tokens >= 0.9 * counted and warm.usage.cache_creation_input_tokens == 0
+    assert api.metric("superfluid_generation_warm_prefix_tokens_total") >= warm.usage.cache_read_input_tokens
+
+
+def test_anthropic_refusals_are_in_anthropic_shape(api: HttpDaemon) -> None:
+    client = anthropic.Anthropic(base_url=api.url, api_key="unused")
+    question = [{"role": "user", "content": "Hi"}]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    refused = [
+        ({"messages": question}, 400, "max_tokens"),  # no max_tokens
+        ({"max_tokens": 4, "messages": question, "model": "no-such-model"}, 404, "not served here"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": [image]}]}, 400, "text only"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "accepted blocks"),
+        ({"max_tokens": 4, "messages": question, "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
+        (
+            {"max_tokens": 4, "messages": question, "tools": [{"type": "web_search_20250305", "name": "s"}]},
+            400,
+            "server",
+        ),
+    ]
+    for body, status, words in refused:
+        answer = httpx.post(f"{api.url}/v1/messages", json={"model": "smollm2", **body}, timeout=60)
+        error = answer.json()
+        assert answer.status_code == status and error["type"] == "error", (body, error)
+        assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert words in error["error"]["message"], error
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="no-such-model", max_tokens=4, messages=question)
+
+
 def test_ollama_chat_generate_and_tags(api: HttpDaemon) -> None:
     client = ollama.Client(host=api.url)
     options = {"temperature": 0, "num_predict": 12, **FORCED}

@@ -257,3 +257,38 @@ def test_a_record_survives_a_restart_and_belongs_to_its_key(tmp_path: Path) -> N
         assert parent_of(daemon, second.id, first.id), "the stored session is forked after a restart too"
     finally:
         daemon.stop()
+
+
+def test_namespace_tools_are_served_and_web_search_is_left_out(api: HttpDaemon) -> None:
+    """What Codex declares: functions grouped in a namespace, and a web search only OpenAI runs."""
+    namespace = {"type": "namespace", "name": "weather_v1", "description": "Weather tools", "tools": [WEATHER]}
+    body = {
+        "model": "smollm2",
+        "input": "What is the weather in Oslo?",
+        "tools": [{"type": "web_search", "external_web_access": False}, namespace],
+        "tool_choice": "required",
+        "temperature": 0,
+    }
+    asked = httpx.post(f"{api.url}/v1/responses", json=body, timeout=120)
+    assert asked.status_code == 200, asked.text
+    (call,) = asked.json()["output"]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "get_weather", "weather_v1")
+    assert json.loads(call["arguments"])["city"] in ("Paris", "Oslo", "Lima")
+    history = [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": '{"celsius": -3}'},
+    ]
+    answered = httpx.post(
+        f"{api.url}/v1/responses",
+        json={**body, "input": history, "tool_choice": "auto", "max_output_tokens": 4, "store": False},
+        timeout=120,
+    )
+    assert answered.status_code == 200, answered.text
+    # the earlier call is rendered under the name the model was offered: its prompt is served warm
+    assert (
+        answered.json()["usage"]["input_tokens_details"]["cached_tokens"] > asked.json()["usage"]["input_tokens"] // 2
+    )
+    bad = {**namespace, "tools": [{"type": "web_search"}]}
+    refused = httpx.post(f"{api.url}/v1/responses", json={**body, "tools": [bad]}, timeout=60)
+    assert refused.status_code == 400 and "namespace holds function tools" in refused.json()["error"]["message"]
