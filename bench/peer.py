@@ -107,11 +107,13 @@ class LlamaServer(Server):
 
     name = "llama-server"
 
-    def __init__(self, binary: Path, model: Path, root: Path, lanes: int, window: int, threads: int) -> None:
+    def __init__(
+        self, binary: Path, model: Path, root: Path, lanes: int, window: int, threads: int, *extra: str
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         port = free_port()
         args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-        args += ["-np", str(lanes), "-c", str(lanes * window), "-kvu", "-t", str(threads), "--no-webui"]
+        args += ["-np", str(lanes), "-c", str(lanes * window), "-kvu", "-t", str(threads), "--no-webui", *extra]
         super().__init__(args, root / "llama-server.log", port)
 
 

@@ -3,9 +3,10 @@
     make bench                                  # builds the peers once (a few minutes), then runs all
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
-    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui or cluster
+    .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
+                                                # cluster or agents
 
-Eight sections, one system driven at a time:
+Nine sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -27,7 +28,9 @@ Eight sections, one system driven at a time:
 - ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
   soon a streamed reply's committed tokens reach the page (bench/ui.py);
 - cluster: the PostgreSQL store against SQLite (commit latency per tick, decode at 8 streams),
-  and failover to another daemon after a SIGKILL (bench/cluster.py).
+  and failover to another daemon after a SIGKILL (bench/cluster.py);
+- agents: a Claude Code turn's first token, cold and warm (a second turn with the same system
+  prompt and tools), on superfluid and llama-server (bench/agents.py).
 Performance claims in the README come from this script, not from tests.
 """
 
@@ -50,6 +53,7 @@ from pathlib import Path
 import llama_cpp as L
 import load
 import numpy as np
+from agents import agent_figures
 from cluster import cluster_figures
 from peer import LlamaServer, Superfluid, batched_bench
 from spec import spec_figures
@@ -735,7 +739,7 @@ def http_results(
     return results
 
 
-SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster")
+SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster", "agents")
 
 
 def report(results: list[Result]) -> None:
@@ -783,6 +787,10 @@ def main() -> int:
     if "cluster" in sections:
         print("cluster: the PostgreSQL store against SQLite, and failover", flush=True)
         results += cluster_figures(root, args.threads, args.quick, Result)
+    if "agents" in sections:
+        print("agents: a Claude Code turn's first token, cold and warm", flush=True)
+        for name, value, target, passed, detail in agent_figures(root, args.peers, args.quick, args.threads):
+            results.append(Result(name, value, target, passed, detail))
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1
