@@ -247,3 +247,13 @@ def test_launch_refuses_what_cannot_run(served: HttpDaemon, tmp_path: Path) -> N
     assert "23,000 tokens" in whole.stderr and "8,192" in whole.stderr and "--tools Read,Bash" in whole.stderr
     unknown = launch(address, "cursor", [], tmp_path)
     assert unknown.returncode == 1 and "known agents: claude, codex" in unknown.stderr
+
+
+def test_a_daemon_that_fails_to_start_is_reported_with_its_log(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": f"{AGENT_BIN}:{os.environ['PATH']}", "SUPERFLUID_HOME": str(tmp_path)}
+    missing = tmp_path / "no-such-model.gguf"
+    command = [*SUPERFLUID, "launch", "llm", "--http", f"127.0.0.1:{free_port()}", "--model", str(missing)]
+    failed = subprocess.run([*command, "--", "Say hello."], env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "the daemon exited with status" in failed.stderr, failed.stderr
+    assert "no-such-model.gguf" in failed.stderr.split("status", 1)[1]  # the log's last lines say why
+    assert not (tmp_path / "launch" / "launch.json").exists()
