@@ -105,7 +105,8 @@ def _agent_commands(commands: Any) -> None:
         "none does. The agent gets settings for this run only (environment variables, or files under "
         "$SUPERFLUID_HOME/agents/AGENT): your own configuration is left as it is. Its requests run in the agent "
         "QoS class. Arguments after -- go to the agent.",
-        epilog=f"agents:\n{listing}\n\nexamples:\n  superfluid launch claude -- -p 'what does this repo do?'\n"
+        epilog=f"agents:\n{listing}\n\nexamples:\n"
+        "  superfluid launch claude -- -p 'what does this repo do?' --tools Read,Bash\n"
         "  superfluid launch codex --model ~/models/qwen3-coder-30b.gguf --max-context 32768\n"
         "  superfluid stop",
         formatter_class=argparse.RawDescriptionHelpFormatter,

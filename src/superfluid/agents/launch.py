@@ -77,7 +77,7 @@ def _model(served: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] |
     return next((entry for entry in served if entry["id"] in (wanted, stem)), None)
 
 
-def start(address: str, serve_args: list[str], api_key: str | None, model: str | None) -> Daemon:
+def start(address: str, serve_args: list[str], api_key: str | None) -> Daemon:
     """Start `superfluid serve` in the background at `address` and wait until it serves."""
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def start(address: str, serve_args: list[str], api_key: str | None, model: str |
         if process.poll() is not None:
             record_path().unlink(missing_ok=True)
             raise LaunchError(f"the daemon exited with status {process.returncode}:\n{_tail(log_path)}")
-        found = find(url, api_key, model)
+        found = find(url, api_key, None)  # the model it was started with is its default
         if found is not None:
             return Daemon(found.url, found.model, found.window, started=True)
         time.sleep(0.25)
@@ -189,7 +189,7 @@ def launch(
     url = f"http://{address}"
     daemon = find(url, api_key, model)
     if daemon is None:
-        daemon = start(address, serve_args, api_key, model)
+        daemon = start(address, serve_args, api_key)
     elif serve_args:
         print(
             f"superfluid: using the daemon at {url}; {' '.join(serve_args)} applies only to one launch starts",
