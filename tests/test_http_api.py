@@ -201,6 +201,23 @@ def test_anthropic_tool_choice_forces_the_call_or_leaves_the_tools_out(api: Http
     assert without.input_tokens == count(model="smollm2", messages=question).input_tokens < with_tools
 
 
+def test_anthropic_structured_output_ends_on_its_schema(api: HttpDaemon) -> None:
+    """`output_config.format`, which Claude Code sends to title a session: the reply is held to the schema."""
+    schema = {**CITY_FUNCTION["parameters"], "additionalProperties": False}
+    body = {
+        "model": "smollm2",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Which city is the capital of Norway?"}],
+        "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}},
+    }
+    reply = httpx.post(f"{api.url}/v1/messages", json=body, timeout=120).json()
+    assert reply["stop_reason"] == "end_turn", reply
+    assert json.loads(reply["content"][0]["text"])["city"] in ("Paris", "Oslo", "Lima")
+    wrong = {**body, "output_config": {"format": {"type": "xml"}}}
+    refused = httpx.post(f"{api.url}/v1/messages", json=wrong, timeout=60)
+    assert refused.status_code == 400 and "output_config.format" in refused.json()["error"]["message"]
+
+
 def test_anthropic_what_claude_code_sends(api: HttpDaemon) -> None:
     """System entries inside messages, a billing block, cache_control breakpoints, and the cache they ask for."""
     client = anthropic.Anthropic(base_url=api.url, api_key="unused")

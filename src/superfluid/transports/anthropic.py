@@ -45,7 +45,7 @@ class CountRequest(Body):
     """The body of POST /v1/messages/count_tokens: a message request without its sampling.
 
     Fields these clients send that change nothing here are accepted: `metadata` (a user id),
-    `context_management`, `output_config`, `service_tier`.
+    `context_management`, `output_config.effort`, `service_tier`.
     """
 
     model: str | None = None
@@ -54,6 +54,16 @@ class CountRequest(Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The schema of structured output (`output_config.format`), which the reply is constrained to."""
+        form = (self.output_config or {}).get("format")
+        if form is None:
+            return None
+        if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+            raise ChatError('output_config.format must be {"type": "json_schema", "schema": {...}}')
+        return form["schema"]
 
     def template_vars(self) -> dict[str, Any]:
         """`thinking` as the chat template's switch: on when enabled, off when disabled, its own default else."""
@@ -288,6 +298,7 @@ def chat_request(body: CountRequest, runtime: Runtime, **fields: Any) -> ChatReq
         params=fields.pop("params", sampling(runtime.sampling, None, None, None, None, None)),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice),
+        json_schema=body.json_schema(),
         template_vars=body.template_vars(),
         cache_marks=chat.marks,
         cache_ttl_ms=chat.ttl_ms,
