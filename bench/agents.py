@@ -1,15 +1,20 @@
 """Coding agents: a Claude Code turn's first token, cold and warm, on superfluid and on llama-server.
 
-Claude Code (the version `make test` installs into .venv/agents) runs headless (`claude -p`)
-with its default system prompt and two tools (`--tools Read,Bash`: about 2,800 tokens on
-SmolLM2's tokenizer; its 25 tools are 23,000, past the embedded model's window). A round
-starts a server fresh, runs one turn with nothing cached (cold), then a turn with another
-question and the same system prompt and tools (warm), and reads the time to first token
-Claude Code itself reports (`ttft_ms` of its JSON result). Replies are capped at 32 tokens
-(`CLAUDE_CODE_MAX_OUTPUT_TOKENS`), which the first token does not wait for. Both servers run
-the same llama.cpp at 8 lanes of 8,192 tokens; llama-server speaks the Anthropic API itself
-(`/v1/messages`), with `--jinja` for the tools. The systems take turns, three rounds each, and
-each figure is the median of its rounds.
+Claude Code (the version `make test` installs into .venv/agents) is run twice, headless
+(`claude -p`), against a recorder that keeps its requests and answers each with an error: a
+first question and a second one, with its default system prompt and two tools
+(`--tools Read,Bash`: about 2,800 tokens on SmolLM2's tokenizer; its 25 tools are 23,000, past
+the embedded model's window). Its main request of each run (the one with the tools; Claude Code
+also sends a short one to title the session) is then sent to each server as Claude Code sent
+it, streamed, with `max_tokens` cut to 16: the first turn on a fresh server (cold), then the
+second (warm: the same system prompt and tools, another question). The time to first token is
+until the first `content_block_delta`. Replaying the recorded bytes keeps the model's sampled
+replies out of it: a 135M model's reply may run to Claude Code's cap, which Claude Code calls
+an error and continues in further requests. Both servers run the same llama.cpp at 8 lanes of
+8,192 tokens; llama-server serves the Anthropic API itself (`/v1/messages`, with `--jinja`).
+The two render the same request into prompts of different lengths (llama-server leaves out
+tools a chat template has no place for), so each line says how many prompt tokens each counted.
+The systems take turns, three rounds each; each figure is the median of its rounds.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import numpy as np
 from peer import LlamaServer, Server, Superfluid
 
@@ -35,25 +44,71 @@ WINDOW, LANES = 8192, 8
 Row = tuple[str, float, str, bool, str]
 
 
-def claude_turn(url: str, question: str, home: Path) -> dict:
-    """One `claude -p` turn against `url`: its JSON result (ttft_ms, usage, ...)."""
-    env = {
-        **os.environ,
-        "HOME": str(home),
-        "ANTHROPIC_BASE_URL": url,
-        "ANTHROPIC_AUTH_TOKEN": "bench",
-        "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct",
-        "ANTHROPIC_SMALL_FAST_MODEL": "SmolLM2-135M-Instruct",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
-    }
-    done = subprocess.run(
-        [str(CLAUDE), *LEAN, question], env=env, cwd=home, capture_output=True, text=True, timeout=900
-    )
-    result = json.loads(done.stdout)
-    if result.get("is_error"):
-        raise RuntimeError(f"Claude Code failed against {url}: {result.get('result')}")
-    return result
+class Recorder(BaseHTTPRequestHandler):
+    """Keeps each POST body Claude Code sends, and answers it with an error so the run ends at once."""
+
+    bodies: list[dict] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
+        Recorder.bodies.append(body)
+        reply = b'{"type":"error","error":{"type":"invalid_request_error","message":"recorded"}}'
+        self.send_response(400)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def claude_requests() -> list[dict]:
+    """Claude Code's main request of a first and a second run, as it sends them."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    turns = []
+    with tempfile.TemporaryDirectory() as home:
+        env = {
+            **os.environ,
+            "HOME": home,
+            "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{server.server_port}",
+            "ANTHROPIC_AUTH_TOKEN": "bench",
+            "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct",
+            "ANTHROPIC_SMALL_FAST_MODEL": "SmolLM2-135M-Instruct",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_MAX_RETRIES": "0",
+        }
+        for question in QUESTIONS:
+            Recorder.bodies = []
+            subprocess.run([str(CLAUDE), *LEAN, question], env=env, cwd=home, capture_output=True, timeout=300)
+            turns.append(next(body for body in Recorder.bodies if body.get("tools")))
+    server.shutdown()
+    return turns
+
+
+def first_token(url: str, body: dict) -> tuple[float, dict]:
+    """Seconds to the first streamed text of `body` (at most 16 tokens), and the usage it reported."""
+    started = time.monotonic()
+    first, usage = 0.0, {}
+    request = {**body, "max_tokens": 16, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/messages", json=request, timeout=900) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url} answered {reply.status_code}: {reply.read()[:500]!r}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if event["type"] == "content_block_delta" and not first:
+                first = time.monotonic() - started
+            elif event["type"] in ("message_start", "message_delta"):
+                usage |= event.get("message", event).get("usage") or {}
+    return first, usage
 
 
 def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> list[Row]:
@@ -72,15 +127,16 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
         )
     else:
         print("agents: llama-server not built (make bench builds it); its column is left out", flush=True)
+    turns = claude_requests()
     first: dict[tuple[str, str], list[float]] = {}
     for turn in range(1 if quick else ROUNDS):
         order = list(systems)[turn % len(systems) :] + list(systems)[: turn % len(systems)]
         for name in order:
-            with systems[name](f"{turn}") as server, tempfile.TemporaryDirectory() as home:
-                for kind, question in zip(("cold", "warm"), QUESTIONS, strict=True):
-                    result = claude_turn(server.url, question, Path(home))
-                    first.setdefault((name, kind), []).append(result["ttft_ms"] / 1000)
-                    print(f"agents: {name} {kind}: {_line(result)}", flush=True)
+            with systems[name](f"{turn}") as server:
+                for kind, body in zip(("cold", "warm"), turns, strict=True):
+                    seconds, usage = first_token(server.url, body)
+                    first.setdefault((name, kind), []).append(seconds)
+                    print(f"agents: {name} {kind}: first token {seconds:.2f} s, {_cached(usage)}", flush=True)
     median = {key: float(np.median(values)) for key, values in first.items()}
     sf_cold, sf_warm = median[("superfluid", "cold")], median[("superfluid", "warm")]
     share = sf_warm / sf_cold
@@ -109,9 +165,8 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
     return rows
 
 
-def _line(result: dict) -> str:
-    """A turn's first token and how much of its prompt came from the cache."""
-    usage = result["usage"]
-    read = usage.get("cache_read_input_tokens", 0)
-    prompt = usage.get("input_tokens", 0) + read + usage.get("cache_creation_input_tokens", 0)
-    return f"first token {result['ttft_ms'] / 1000:.2f} s, {read} of {prompt} prompt tokens read from the cache"
+def _cached(usage: dict) -> str:
+    """How much of a prompt came from the cache, as the server reported it."""
+    read = usage.get("cache_read_input_tokens") or 0
+    prompt = (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0)
+    return f"{read} of {prompt} prompt tokens read from the cache"
