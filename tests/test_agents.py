@@ -243,12 +243,12 @@ def test_launch_starts_a_daemon_when_none_answers_and_stop_stops_only_that_one(t
     address = f"127.0.0.1:{free_port()}"
     home = tmp_path / "home"
     record = home / ".superfluid" / "launch" / "launch.json"
-    started = launch(address, "llm", ["Say hello."], home)
+    started = launch(address, "llm", ["-o", "max_tokens", "8", "Say hello."], home)
     ran(started)
     assert "starting a daemon" in started.stderr
     pid = json.loads(record.read_text())["pid"]
     assert httpx.get(f"http://{address}/health").status_code == 200
-    again = launch(address, "llm", ["Say hello."], home)  # the running one is used
+    again = launch(address, "llm", ["-o", "max_tokens", "8", "Say hello."], home)  # the running one is used
     ran(again)
     assert "starting a daemon" not in again.stderr and json.loads(record.read_text())["pid"] == pid
     env = {**os.environ, "SUPERFLUID_HOME": str(home / ".superfluid")}
