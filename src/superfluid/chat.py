@@ -129,6 +129,18 @@ class Collected:
             self.pieces.append(piece)
 
 
+def rendered(request: ChatRequest, runtime: Runtime) -> tuple[list[int], list[int], list[int]]:
+    """A request's prompt tokens, its assistant opener, and where its prompt-cache marks fall in the
+    prompt; ChatError when the chat template cannot render it."""
+    try:
+        if request.prompt is not None:
+            return runtime.model.tokenize(request.prompt, False), [], []
+        tools = request.tools if request.tool_choice != "none" else []
+        return runtime.template.marked_conversation(request.messages, tools, request.template_vars, request.cache_marks)
+    except TemplateProblem as e:
+        raise ChatError(str(e)) from None
+
+
 def seed_for(seed: int | None) -> int:
     """A request's seed; none (or 0) draws a fresh one."""
     return seed if seed else secrets.randbits(63)
@@ -163,16 +175,7 @@ class ChatRun:
     def _open(self) -> tuple[int, int]:
         """A fresh session holding the whole conversation: its id and its prompt length."""
         request, runtime = self.request, self.runtime
-        try:
-            if request.prompt is not None:
-                prompt, opener = runtime.model.tokenize(request.prompt, False), []
-            else:
-                tools = request.tools if request.tool_choice != "none" else []
-                prompt, opener, marks = runtime.template.marked_conversation(
-                    request.messages, tools, request.template_vars, request.cache_marks
-                )
-        except TemplateProblem as e:
-            raise ChatError(str(e)) from None
+        prompt, opener, marks = rendered(request, runtime)
         length = len(prompt) + len(opener)
         if length >= runtime.window:
             raise ChatError(
@@ -180,7 +183,7 @@ class ChatRun:
                 f"{length} tokens; shorten the prompt or drop earlier turns",
                 code="context_length_exceeded",
             )
-        if request.prompt is None and marks and runtime.pins is not None:
+        if runtime.pins is not None:
             for position in sorted(set(marks)):
                 if runtime.pins.pin(prompt[:position], request.cache_ttl_ms):
                     self.marked = position

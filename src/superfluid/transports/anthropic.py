@@ -27,9 +27,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
+from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece, rendered
 from ..daemon import Daemon
-from ..model.template import TemplateProblem
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..runtime import Runtime
 from ..scheduler.prompt_pins import DEFAULT_TTL_MS, TTLS_MS
@@ -337,11 +336,9 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     async def count_tokens(body: CountRequest) -> Response:
         try:
             runtime = await runtime_for(daemon, body.model)
-            request = chat_request(body, runtime)
-            tools = request.tools if request.tool_choice != "none" else []
-            prompt, opener = runtime.template.conversation(request.messages, tools, request.template_vars)
-        except (ChatError, TemplateProblem) as e:
-            return error(str(e), getattr(e, "status", 400))
+            prompt, opener, _ = rendered(chat_request(body, runtime), runtime)
+        except ChatError as e:
+            return error(str(e), e.status)
         return JSONResponse({"input_tokens": len(prompt) + len(opener)})
 
     return api
