@@ -1,0 +1,1 @@
+"""Coding agents run against the daemon: the table of those `superfluid launch` knows, and the launcher."""
