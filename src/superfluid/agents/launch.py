@@ -34,7 +34,7 @@ class LaunchError(Exception):
 
 
 @dataclass(frozen=True)
-class Daemon:
+class Serving:
     """A daemon answering at `url`: the model it serves by default and that model's window."""
 
     url: str
@@ -51,7 +51,7 @@ def record_path() -> Path:
     return state_dir() / "launch.json"
 
 
-def find(url: str, api_key: str | None, model: str | None) -> Daemon | None:
+def find(url: str, api_key: str | None, model: str | None) -> Serving | None:
     """The daemon at `url`, if one answers; LaunchError when it does but cannot serve `model`."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -67,7 +67,7 @@ def find(url: str, api_key: str | None, model: str | None) -> Daemon | None:
     if chosen is None:
         known = ", ".join(entry["id"] for entry in served)
         raise LaunchError(f"the daemon at {url} does not serve {model!r}; it serves {known}")
-    return Daemon(url, chosen["id"], int(chosen.get("meta", {}).get("n_ctx") or 0), started=False)
+    return Serving(url, chosen["id"], int(chosen.get("meta", {}).get("n_ctx") or 0), started=False)
 
 
 def _model(served: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] | None:
@@ -77,7 +77,7 @@ def _model(served: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] |
     return next((entry for entry in served if entry["id"] in (wanted, stem)), None)
 
 
-def start(address: str, serve_args: list[str], api_key: str | None) -> Daemon:
+def start(address: str, serve_args: list[str], api_key: str | None) -> Serving:
     """Start `superfluid serve` in the background at `address` and wait until it serves."""
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def start(address: str, serve_args: list[str], api_key: str | None) -> Daemon:
             raise LaunchError(f"the daemon exited with status {process.returncode}:\n{_tail(log_path)}")
         found = find(url, api_key, None)  # the model it was started with is its default
         if found is not None:
-            return Daemon(found.url, found.model, found.window, started=True)
+            return Serving(found.url, found.model, found.window, started=True)
         time.sleep(0.25)
     stop_recorded()
     raise LaunchError(f"the daemon did not answer at {url} within {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
@@ -142,15 +142,17 @@ def _is_our_daemon(pid: int) -> bool:
     return not zombie and b"superfluid" in b" ".join(command) and b"serve" in command
 
 
-def check_window(agent: Agent, daemon: Daemon, args: list[str]) -> None:
+def check_window(agent: Agent, daemon: Serving, args: list[str]) -> None:
     """LaunchError when the model's window is smaller than what the agent sends."""
     lean = any(flag in arg for arg in args for flag in agent.lean_flags)
     need = agent.lean_context if lean else agent.context
     if not need or daemon.window >= need:
         return
-    how = [f"serve the model with a larger window: superfluid launch {agent.name} --max-context {_round_up(need)}"]
-    if daemon.started is False:
-        how = [f"restart the daemon at {daemon.url} with --max-context {_round_up(need)} or more"]
+    window = _round_up(need)
+    if daemon.started:
+        how = [f"serve the model with a larger window: superfluid launch {agent.name} --max-context {window}"]
+    else:
+        how = [f"restart the daemon at {daemon.url} with --max-context {window} or more"]
     if agent.lean_hint and not lean:
         how.append(
             f"shorten the agent's prompt with its own flags: superfluid launch {agent.name} -- {agent.lean_hint}"
@@ -192,7 +194,7 @@ def launch(
         daemon = start(address, serve_args, api_key)
     elif serve_args:
         print(
-            f"superfluid: using the daemon at {url}; {' '.join(serve_args)} applies only to one launch starts",
+            f"superfluid: using the daemon already at {url}; {' '.join(serve_args)} is for a daemon launch starts",
             file=sys.stderr,
         )
     try:

@@ -78,16 +78,6 @@ def _object_end(text: str, start: int) -> int:
     return start + end
 
 
-def _agreeing(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
@@ -301,11 +291,11 @@ class ChatTemplate:
         if not opened.startswith(closed):
             raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
         tokens: list[int] = []
-        starts: dict[int, int] = {}  # piece -> its first token
+        placed: dict[int, tuple[int, list[int]]] = {}  # piece -> (its first token, its tokens)
         for index, part in enumerate(_SENTINEL_RE.split(closed)):
             if index % 2:
-                starts[int(part)] = len(tokens)
-                tokens += self._tokenize(contents[int(part)], False)
+                placed[int(part)] = (len(tokens), self._tokenize(contents[int(part)], False))
+                tokens += placed[int(part)][1]
             else:
                 tokens += self._tokenize(part, True)
         bos = int(self._bos_token is not None and tokens[:1] != [self._bos_token])
@@ -314,11 +304,15 @@ class ChatTemplate:
         positions = []
         for message, chars in marks:
             piece = piece_of.get(message + shift)
-            if piece is None or piece not in starts:
+            if piece is None or piece not in placed:
                 continue
-            whole = self._tokenize(contents[piece], False)
-            cut = whole if chars >= len(contents[piece]) else self._tokenize(contents[piece][:chars], False)
-            positions.append(bos + starts[piece] + _agreeing(whole, cut))
+            start, whole = placed[piece]
+            if chars >= len(contents[piece]):
+                positions.append(bos + start + len(whole))
+                continue
+            cut = self._tokenize(contents[piece][:chars], False)
+            agreeing = next((i for i, (a, b) in enumerate(zip(whole, cut, strict=False)) if a != b), len(cut))
+            positions.append(bos + start + min(agreeing, len(whole)))
         return tokens, self._tokenize(opened[len(closed) :], True), positions
 
     def opener(self) -> list[int]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..protocol.schema import QOS_AGENT, qos_class
 from ..ratelimit import TokenBucket, retry_after_header
+from . import anthropic_errors
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -58,8 +59,6 @@ PEERS_KEPT = 4096  # client IPs metered before the buckets that filled up again 
 
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 503: "server_error"}
-ANTHROPIC_ROUTE = "/v1/messages"
-ANTHROPIC_TYPES = {**ERROR_TYPES, 503: "overloaded_error"}
 
 
 @dataclass(frozen=True)
@@ -225,11 +224,8 @@ class AccessGate:
         refusal, key = self._admit(scope)
         if refusal is not None:
             body = refusal.body
-            if scope["path"].startswith(ANTHROPIC_ROUTE):  # Anthropic's clients read their own error shape
-                body = {
-                    "type": "error",
-                    "error": {"type": ANTHROPIC_TYPES[refusal.status], "message": body["error"]["message"]},
-                }
+            if anthropic_errors.is_anthropic(scope["path"]):  # Anthropic's clients read their own error shape
+                body = anthropic_errors.body(body["error"]["message"], refusal.status)
             payload = json.dumps(body).encode()
             headers = [*refusal.headers, (b"content-length", str(len(payload)).encode())]
             await send({"type": "http.response.start", "status": refusal.status, "headers": headers})

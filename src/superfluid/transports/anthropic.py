@@ -30,9 +30,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece, rendered
 from ..daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
-from ..runtime import Runtime
+from ..protocol.schema import GenParams
 from ..scheduler.prompt_pins import DEFAULT_TTL_MS, TTLS_MS
-from .access import ANTHROPIC_ROUTE as ROUTE
+from . import anthropic_errors
+from .anthropic_errors import ROUTE
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling
 
@@ -82,20 +83,9 @@ class MessagesRequest(CountRequest):
     ignore_eos: bool = False  # an extension: decode to max_tokens
 
 
-ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error(message: str, status: int = 400, kind: str | None = None) -> Response:
-    """Anthropic's error shape; the type follows from the status unless given."""
-    kind = kind or ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+def error(message: str, status: int = 400) -> Response:
+    """A refusal in Anthropic's error shape."""
+    return JSONResponse(anthropic_errors.body(message, status), status_code=status)
 
 
 # Claude Code opens its system prompt with a block that bills the call; it names a hash of the
@@ -288,13 +278,13 @@ def stop_reason(outcome: Outcome) -> str:
     return "stop_sequence" if outcome.stopped_by else STOP_REASONS.get(outcome.finish, "end_turn")
 
 
-def chat_request(body: CountRequest, runtime: Runtime, **fields: Any) -> ChatRequest:
-    """The chat request of a message body (its sampling and scheduling in `fields`)."""
+def chat_request(body: CountRequest, params: GenParams, **fields: Any) -> ChatRequest:
+    """The chat request of a message body, sampled with `params` (its limits and scheduling in `fields`)."""
     tools = client_tools(body.tools)
     chat = conversation(body.system, body.messages, body.tools or [])
     return ChatRequest(
         messages=chat.messages,
-        params=fields.pop("params", sampling(runtime.sampling, None, None, None, None, None)),
+        params=params,
         tools=tools,
         tool_choice=tool_choice(body.tool_choice),
         json_schema=body.json_schema(),
@@ -315,8 +305,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             runtime = await runtime_for(daemon, body.model)
             request = chat_request(
                 body,
-                runtime,
-                params=sampling(runtime.sampling, body.temperature, body.top_p, body.top_k, None, None),
+                sampling(runtime.sampling, body.temperature, body.top_p, body.top_k, None, None),
                 max_tokens=body.max_tokens,
                 stop=list(body.stop_sequences or []),
                 ignore_eos=body.ignore_eos,
@@ -336,7 +325,8 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     async def count_tokens(body: CountRequest) -> Response:
         try:
             runtime = await runtime_for(daemon, body.model)
-            prompt, opener, _ = rendered(chat_request(body, runtime), runtime)
+            request = chat_request(body, sampling(runtime.sampling, None, None, None, None, None))
+            prompt, opener, _ = rendered(request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
         return JSONResponse({"input_tokens": len(prompt) + len(opener)})
@@ -438,7 +428,7 @@ async def _stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
         yield _event("content_block_stop", {"index": index})
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _event("error", {"error": {"type": "api_error", "message": outcome}})
+        yield _event("error", {"error": anthropic_errors.body(outcome, 500)["error"]})
         return
     delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stopped_by}
     yield _event("message_delta", {"delta": delta, "usage": usage(outcome, run.marked)})

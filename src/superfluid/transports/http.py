@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
-from . import anthropic, embeddings, models, ollama, openai, responses, status
+from . import anthropic, anthropic_errors, embeddings, models, ollama, openai, responses, status
 from .access import AccessGate, Key
 from .addresses import split_address
 from .chat_http import HttpPolicy
@@ -53,7 +53,7 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
         origin = request.headers.get("origin")
 
         def refuse(message: str, status: int, code: str) -> Response:
-            if request.url.path.startswith(anthropic.ROUTE):
+            if anthropic_errors.is_anthropic(request.url.path):
                 return anthropic.error(message, status)
             return openai.error(message, status, code)
 
@@ -74,7 +74,7 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
         )
         if request.url.path.startswith("/api/"):
             return ollama.error(problems)
-        if request.url.path.startswith(anthropic.ROUTE):
+        if anthropic_errors.is_anthropic(request.url.path):
             return anthropic.error(problems)
         return openai.error(problems)
 
