@@ -129,6 +129,7 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
         print("agents: llama-server not built (make bench builds it); its column is left out", flush=True)
     turns = claude_requests()
     first: dict[tuple[str, str], list[float]] = {}
+    prompts: dict[tuple[str, str], tuple[int, int]] = {}  # (prompt tokens, of them read from the cache)
     for turn in range(1 if quick else ROUNDS):
         order = list(systems)[turn % len(systems) :] + list(systems)[: turn % len(systems)]
         for name in order:
@@ -136,8 +137,15 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
                 for kind, body in zip(("cold", "warm"), turns, strict=True):
                     seconds, usage = first_token(server.url, body)
                     first.setdefault((name, kind), []).append(seconds)
-                    print(f"agents: {name} {kind}: first token {seconds:.2f} s, {_cached(usage)}", flush=True)
+                    prompts[(name, kind)] = _prompt(usage)
+                    print(f"agents: {name} {kind}: first token {seconds:.2f} s, {_said(usage)}", flush=True)
     median = {key: float(np.median(values)) for key, values in first.items()}
+
+    def said(name: str, kind: str) -> str:
+        tokens, read = prompts[(name, kind)]
+        cold = f", {tokens / median[(name, kind)]:.0f} prompt tokens/s" if kind == "cold" else ""
+        return f"{name} {median[(name, kind)]:.2f} s ({read} of {tokens} prompt tokens cached{cold})"
+
     sf_cold, sf_warm = median[("superfluid", "cold")], median[("superfluid", "warm")]
     share = sf_warm / sf_cold
     rows: list[Row] = [
@@ -146,13 +154,13 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
             share,
             "<= 0.2",
             share <= 0.2,
-            f"cold {sf_cold:.2f} s, warm {sf_warm:.2f} s",
+            f"{said('superfluid', 'cold')}; {said('superfluid', 'warm')}",
         )
     ]
     if "llama-server" in systems:
         for kind in ("cold", "warm"):
             ours, theirs = median[("superfluid", kind)], median[("llama-server", kind)]
-            detail = f"superfluid {ours:.2f} s, llama-server {theirs:.2f} s"
+            detail = f"{said('superfluid', kind)}; {said('llama-server', kind)}"
             rows.append(
                 (
                     f"agents: Claude Code {kind} first token sf/llama-server",
@@ -165,8 +173,12 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
     return rows
 
 
-def _cached(usage: dict) -> str:
-    """How much of a prompt came from the cache, as the server reported it."""
+def _prompt(usage: dict) -> tuple[int, int]:
+    """A prompt's tokens, and how many of them came from the cache, as the server reported them."""
     read = usage.get("cache_read_input_tokens") or 0
-    prompt = (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0)
-    return f"{read} of {prompt} prompt tokens read from the cache"
+    return (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0), read
+
+
+def _said(usage: dict) -> str:
+    tokens, read = _prompt(usage)
+    return f"{read} of {tokens} prompt tokens read from the cache"

@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -47,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import llama_cpp as L
@@ -749,6 +751,21 @@ def report(results: list[Result]) -> None:
         print(f"{mark} {r.name.ljust(width)}  {r.value:8.3f}  target {r.target:<26} {r.detail}", flush=True)
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def save(section: str, results: list[Result]) -> None:
+    """A section's figures, with the machine they were measured on, as bench/results/SECTION.json
+    (docs/benchmarks.md is rendered from these files by bench/render.py)."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    machine = {"cpu": cpu or platform.machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    rows = [asdict(r) for r in results]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{section}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    print(f"{section}: figures written to {RESULTS / section}.json", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
@@ -789,8 +806,10 @@ def main() -> int:
         results += cluster_figures(root, args.threads, args.quick, Result)
     if "agents" in sections:
         print("agents: a Claude Code turn's first token, cold and warm", flush=True)
-        for name, value, target, passed, detail in agent_figures(root, args.peers, args.quick, args.threads):
-            results.append(Result(name, value, target, passed, detail))
+        agents = [Result(*row) for row in agent_figures(root, args.peers, args.quick, args.threads)]
+        if not args.quick:
+            save("agents", agents)
+        results += agents
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1
