@@ -1,12 +1,16 @@
 """Generated tokens, split into channel runs with their text.
 
-The splitter watches the decoded text for the model's markers: `<think>`...`</think>`
-opens and closes the reasoning channel (1), `<tool_call>`...`</tool_call>` the tool-call
-channel (2); everything else is text (0). Markers are matched on text, so they work
-whether the vocabulary has them as one special token or spells them out in pieces.
-Tokens that might be the start of a marker are held back until it is clear; a marker's
-tokens stay in its run's span, its text never reaches a run's text. Text is decoded
-incrementally, so a character split across tokens appears once, whole.
+The splitter watches the decoded text for the markers of the model's dialect
+(`model.dialects`): by default `<think>`...`</think>` opens and closes the reasoning channel
+(1), `<tool_call>`...`</tool_call>` the tool-call channel (2); everything else is text (0).
+A marker of the text channel is markup that is dropped (Harmony's headers); a call marker
+with no close runs to the end of the reply, and a `leading` one opens only before any text
+(Llama 3's bare JSON call). Markers are matched on text, so they work whether the
+vocabulary has them as one special token or spells them out in pieces. Tokens that might
+be the start of a marker are held back until it is clear, and where one marker is the
+start of a longer one the longer wins; a marker's tokens stay in its run's span, its text
+never reaches a run's text. A call's text (what the dialect parses) keeps its markers.
+Text is decoded incrementally, so a character split across tokens appears once, whole.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from ..protocol.schema import CHANNEL_REASONING, CHANNEL_TEXT, CHANNEL_TOOL_CALL
 
 @dataclass(frozen=True)
 class Markers:
-    """The text that opens and closes one channel."""
+    """The text that opens and closes one channel ("" closes at the end of the reply)."""
 
     channel: int
     open: str
     close: str
+    leading: bool = False  # opens only before the reply's first text
 
 
 THINK = Markers(CHANNEL_REASONING, "<think>", "</think>")
@@ -49,7 +54,9 @@ class ChannelSplitter:
     pieces: Sequence[bytes]
     markers: Sequence[Markers] = (THINK, TOOL_CALL)
     channel: int = CHANNEL_TEXT
-    call_text: str = ""  # the open tool call's text so far
+    call_text: str = ""  # the open tool call's text so far, its markers included
+    fresh: bool = True  # no text yet in this reply (a leading marker may open)
+    _opened: Markers | None = None  # the marker that opened the current channel
     _held_tokens: list[int] = field(default_factory=list)
     _held_text: str = ""
     _replayed: int = 0  # leading characters of _held_text that were committed before (priming)
@@ -57,12 +64,14 @@ class ChannelSplitter:
     def __post_init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def prime(self, tokens: Sequence[int]) -> None:
-        """Replay an open turn's tokens, so a continuation starts in the channel it was left in."""
+    def prime(self, tokens: Sequence[int], *, fresh: bool = True) -> None:
+        """Replay an open turn's tokens, so a continuation starts in the channel it was left in;
+        `fresh` when the turn has no text yet."""
         for token in tokens:
             self.feed(token)
         self._held_tokens = []
         self._replayed = len(self._held_text)
+        self.fresh = fresh
 
     def feed(self, token: int) -> list[Piece]:
         self._held_tokens.append(token)
@@ -79,35 +88,45 @@ class ChannelSplitter:
     def _in_play(self) -> list[tuple[str, Markers, bool]]:
         """Marker texts that can occur now: (text, markers, opens)."""
         if self.channel == CHANNEL_TEXT:
-            return [(m.open, m, True) for m in self.markers]
-        return [(m.close, m, False) for m in self.markers if m.channel == self.channel]
+            return [(m.open, m, True) for m in self.markers if self.fresh or not m.leading]
+        opened = self._opened
+        return [(opened.close, opened, False)] if opened is not None and opened.close else []
+
+    def _next_marker(self) -> tuple[int, str, Markers, bool] | None:
+        """The first whole marker in the held text; None also while a longer marker may still be
+        forming where it starts."""
+        in_play = self._in_play()
+        hits = [(self._held_text.find(text), -len(text), text, m, opens) for text, m, opens in in_play if text]
+        # a leading marker after text is no marker
+        hits = [hit for hit in hits if hit[0] >= 0 and not (hit[3].leading and self._held_text[: hit[0]].strip())]
+        if not hits:
+            return None
+        at, _, text, marker, opens = min(hits, key=lambda hit: hit[:2])
+        rest = self._held_text[at:]
+        if any(len(other) > len(rest) and other.startswith(rest) for other, _, _ in in_play):
+            return None
+        return at, text, marker, opens
 
     def _scan(self) -> list[Piece]:
         out: list[Piece] = []
-        while True:
-            in_play = self._in_play()
-            found = min(
-                ((self._held_text.find(text), text, m, opens) for text, m, opens in in_play if text in self._held_text),
-                default=None,
-                key=lambda hit: hit[0],
-            )
-            if found is None:
-                break
+        while (found := self._next_marker()) is not None:
             at, text, marker, opens = found
             before = self._held_text[:at]
             after = self._held_text[at + len(text) :]
-            if opens:
+            if opens and marker.channel == CHANNEL_TEXT:  # markup to drop
+                out.append(self._emit(self._held_tokens, before))
+            elif opens:
                 if before:
                     out.append(self._emit([], before))
-                self.channel = marker.channel
-                self.call_text = ""
+                self.channel, self._opened = marker.channel, marker
+                self.call_text = text if marker.channel == CHANNEL_TOOL_CALL else ""
                 out.append(Piece(marker.channel, self._held_tokens, ""))
             else:
                 piece = self._emit(self._held_tokens, before, closes=True)
                 if marker.channel == CHANNEL_TOOL_CALL:
-                    piece.call = self.call_text
+                    piece.call = self.call_text + text
                 out.append(piece)
-                self.channel = CHANNEL_TEXT
+                self.channel, self._opened = CHANNEL_TEXT, None
             self._held_tokens, self._held_text = [], after
             self._replayed = max(0, self._replayed - at - len(text))
         if not any(_ends_with_prefix(self._held_text, text) for text, _, _ in self._in_play()):
@@ -117,11 +136,13 @@ class ChannelSplitter:
         return [p for p in out if p.tokens or p.text or p.closes]
 
     def _emit(self, tokens: list[int], text: str, closes: bool = False) -> Piece:
-        fresh = text[self._replayed :]  # text an earlier event already committed is not repeated
+        unseen = text[self._replayed :]  # text an earlier event already committed is not repeated
         self._replayed = max(0, self._replayed - len(text))
         if self.channel == CHANNEL_TOOL_CALL:
             self.call_text += text
-        return Piece(self.channel, tokens, fresh, closes)
+        elif self.channel == CHANNEL_TEXT and text.strip():
+            self.fresh = False
+        return Piece(self.channel, tokens, unseen, closes)
 
 
 def _ends_with_prefix(text: str, marker: str) -> bool:

@@ -30,10 +30,10 @@ class ParsedCall:
 
 def parse_tool_call(text: str) -> ParsedCall | None:
     """The call in `text`, or None when it cannot be read as one."""
-    candidate = _first_object(_FENCE.sub("", text.strip()))
+    candidate = first_object(_FENCE.sub("", text.strip()))
     if candidate is None:
         return None
-    obj = _loads_lenient(candidate)
+    obj = loads_lenient(candidate)
     if not isinstance(obj, dict):
         return None
     if isinstance(obj.get("function"), dict):
@@ -47,13 +47,13 @@ def parse_tool_call(text: str) -> ParsedCall | None:
             arguments = obj[key]
             break
     if isinstance(arguments, str):
-        arguments = _loads_lenient(arguments) if arguments.strip() else {}
+        arguments = loads_lenient(arguments) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         return None
     return ParsedCall(name.strip(), json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
 
 
-def _first_object(text: str) -> str | None:
+def first_object(text: str) -> str | None:
     """The first balanced `{...}`, or the unterminated tail from the first `{`, closed."""
     start = text.find("{")
     if start < 0:
@@ -82,7 +82,7 @@ def _first_object(text: str) -> str | None:
     return tail + "}" * depth
 
 
-def _loads_lenient(text: str) -> Any:
+def loads_lenient(text: str) -> Any:
     for attempt in (text, _TRAILING_COMMA.sub(r"\1", text)):
         try:
             return json.loads(attempt)
