@@ -62,6 +62,8 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	@test -e $(FAST_LIB) || { echo "compiling llama.cpp's own build for --kernels fast (a few minutes, once)"; \
 		scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama; }
 	ln -sfn $(PEERS)/fast/bin $(VENV)/llama-fast
+	@# the chat templates of real model families, from the same llama.cpp source (tests/test_dialects_e2e.py)
+	ln -sfn $(PEERS)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp/models/templates $(VENV)/llama-templates
 	@# bytecode now, so a start compiles nothing even where PYTHONDONTWRITEBYTECODE is set (about 0.15 s)
 	$(BIN)/python -m compileall -q src clients/python/src >/dev/null
 	touch $(STAMP)

@@ -40,6 +40,23 @@ from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Respon
 os.environ.setdefault("SUPERFLUID_KERNELS", "exact")
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
+# The chat templates of real model families, from the llama.cpp source `make` builds (Makefile)
+TEMPLATES = Path(__file__).resolve().parent.parent / ".venv" / "llama-templates"
+# one family's template per tool-call dialect
+FAMILY_TEMPLATES = {
+    "hermes": "Qwen-Qwen3-0.6B.jinja",
+    "qwen3-coder": "Qwen3-Coder.jinja",
+    "harmony": "openai-gpt-oss-120b.jinja",
+    "llama3": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "mistral": "unsloth-mistral-Devstral-Small-2507.jinja",
+    "mistral-json": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+    "deepseek": "deepseek-ai-DeepSeek-V3.1.jinja",
+    "kimi": "moonshotai-Kimi-K2.jinja",
+    "glm": "GLM-4.6.jinja",
+    "glm-4.7": "GLM-4.7-Flash.jinja",
+    "granite": "ibm-granite-granite-3.3-2B-Instruct.jinja",
+    "gemma": "google-gemma-4-31B-it.jinja",
+}
 # A grammar with one sentence: the turn ends after it on any machine (finish 3).
 ENDS_TURN = 'root ::= "Hello there."'
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import FAMILY_TEMPLATES, TEMPLATES
 
+from superfluid.engine.grammar import Grammar, tool_call_grammar
+from superfluid.engine.llama import LlamaModel
 from superfluid.model.channels import ChannelSplitter
-from superfluid.model.dialects import DIALECTS, HARMONY, HERMES, LLAMA3, Dialect, named, recognise
+from superfluid.model.dialects import DIALECTS, HARMONY, HERMES, LLAMA3, Dialect, named, recognise, table
 from superfluid.model.dialects.parse import gemma_to_json
+from superfluid.model.resolve import embedded_model
+from superfluid.model.template import ChatTemplate
 from superfluid.protocol.schema import CHANNEL_REASONING, CHANNEL_TEXT, CHANNEL_TOOL_CALL
 
 CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("read_file", {"path": "/tmp/ü.txt", "lines": [1, 2]})]
@@ -111,3 +116,113 @@ def test_names_and_errors() -> None:
     with pytest.raises(ValueError, match="known: harmony"):
         named("nope")
     assert recognise("{{ messages }}") is None
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# a whole exchange: system, user, an assistant's reasoning and call, the tool's result, the answer and
+# a question after it
+EXCHANGE = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should look it up.",
+        "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_7", "name": "get_weather", "content": "Sunny, 21 C"},
+    {"role": "assistant", "content": "It is sunny."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def byte_tokens(text: str, special: bool) -> list[int]:
+    return list(text.encode())
+
+
+@pytest.mark.parametrize("name", FAMILY_TEMPLATES)
+def test_a_family_template_renders_a_whole_exchange_and_is_recognised(name: str) -> None:
+    path = TEMPLATES / FAMILY_TEMPLATES[name]
+    assert path.exists(), f"{path} is missing: `make` links the llama.cpp source's templates there"
+    template = ChatTemplate(path.read_text(), byte_tokens, bos_text="<s>", eos_text="</s>")
+    assert template.dialect.name == name
+    tokens, _ = template.conversation(EXCHANGE, [WEATHER], {})
+    text = bytes(tokens).decode()
+    for wanted in ("You answer briefly.", "Weather in Paris?", "Sunny, 21 C", "And tomorrow?", "get_weather"):
+        assert wanted in text, (wanted, text)
+    # the earlier call is in the prompt as the model writes calls: the dialect reads it back
+    turn = text[text.index("Weather in Paris?") :]
+    opens = [m for m in template.dialect.calls if not m.leading and m.open in turn]
+    if opens:
+        section = min(opens, key=lambda m: turn.find(m.open))
+        call = turn[turn.find(section.open) :]
+        if section.close:
+            call = call[: call.index(section.close) + len(section.close)]
+    else:  # Llama 3: a bare JSON object as the whole turn
+        call = turn[turn.index('{"name"') : turn.index("Sunny, 21 C")]
+    calls = template.dialect.parse(call)
+    assert calls is not None, call
+    assert (calls[0].name, json.loads(calls[0].arguments)) == ("get_weather", {"city": "Paris"})
+    assert "It is sunny." in text
+
+
+def test_thinking_switches_map_to_what_the_template_takes(caplog: pytest.LogCaptureFixture) -> None:
+    harmony = ChatTemplate((TEMPLATES / FAMILY_TEMPLATES["harmony"]).read_text(), byte_tokens)
+    assert harmony.request_variables({"reasoning_effort": "high"}) == {"reasoning_effort": "high"}
+    with caplog.at_level("INFO"):
+        assert harmony.request_variables({"reasoning_effort": "xhigh"}) == {"reasoning_effort": "high"}
+    assert "not a level this template knows" in caplog.text
+    assert harmony.request_variables({"reasoning_effort": "minimal"}) == {"reasoning_effort": "low"}
+    prompt = bytes(harmony.conversation(EXCHANGE[:2], [], {"reasoning_effort": "low"})[0]).decode()
+    assert "Reasoning: low" in prompt
+    qwen = ChatTemplate((TEMPLATES / FAMILY_TEMPLATES["hermes"]).read_text(), byte_tokens)
+    assert qwen.request_variables({"reasoning_effort": "none"}) == {"enable_thinking": False}
+    deepseek = ChatTemplate((TEMPLATES / FAMILY_TEMPLATES["deepseek"]).read_text(), byte_tokens)
+    assert deepseek.request_variables({"reasoning_effort": "minimal"}) == {"enable_thinking": False}
+    glm47 = ChatTemplate((TEMPLATES / FAMILY_TEMPLATES["glm-4.7"]).read_text(), byte_tokens)
+    assert glm47.reasoning_left_open() == "</think>", "GLM-4.7's generation prompt opens <think>"
+
+
+def test_the_docs_table_is_the_dialects_own() -> None:
+    docs = (TEMPLATES.parent.parent / "docs" / "dialects.md").read_text()
+    assert table() in docs, "docs/dialects.md: paste superfluid.model.dialects.table() in again"
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> LlamaModel:
+    return LlamaModel(embedded_model().path, vocab_only=True)
+
+
+def grammar_takes(model: LlamaModel, gbnf: str, text: str) -> bool:
+    """Whether the grammar accepts `text` (as the model tokenizes it) whole and then lets the reply end."""
+    grammar = Grammar(model, gbnf)
+    try:
+        for token in model.tokenize(text, False):
+            if not grammar.allows(token):
+                return False
+            grammar.accept(token)
+        return any(grammar.allows(token) for token in model.end_of_generation)
+    finally:
+        grammar.close()
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+def test_a_forced_call_is_the_dialects_own_markup(dialect: Dialect, vocabulary: LlamaModel) -> None:
+    weather = [("get_weather", WEATHER["function"]["parameters"])]
+    one = dialect.write([("get_weather", {"city": "Paris"})])
+    two = dialect.write([("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})])
+    single = tool_call_grammar(weather, dialect.shape)
+    assert grammar_takes(vocabulary, single, one)
+    assert not grammar_takes(vocabulary, single, two), "one call unless parallel calls are asked for"
+    assert grammar_takes(vocabulary, tool_call_grammar(weather, dialect.shape, parallel=True), two)
+    foreign = HERMES if dialect is not HERMES else LLAMA3
+    assert not grammar_takes(vocabulary, single, foreign.write([("get_weather", {"city": "Paris"})]))

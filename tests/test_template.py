@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from superfluid.engine.llama import LlamaModel
+from superfluid.model.dialects import HERMES
 from superfluid.model.resolve import embedded_model
 from superfluid.model.template import CHATML, ChatTemplate, TemplateProblem
 from superfluid.model.tools import fallback_system_text, normalize_tool, normalize_tools
@@ -87,7 +88,7 @@ def test_tool_shapes_normalise_to_openai_function_tools() -> None:
         normalize_tools([expected, {"description": "x"}])
     with pytest.raises(ValueError, match="tool 0 is not a function declaration: it is not valid JSON"):
         normalize_tools(["{nope"])
-    declared = fallback_system_text("Use tools.", [expected])
+    declared = fallback_system_text("Use tools.", [expected], HERMES)
     assert declared.startswith("Use tools.\n\n# Tools") and '"name": "get_weather"' in declared
     assert "<tool_call>" in declared
 
@@ -111,9 +112,10 @@ QWEN_LIKE = (
 def test_a_template_with_tools_teaches_its_call_markers(model: LlamaModel) -> None:
     template = ChatTemplate(QWEN_LIKE, model.tokenize)
     assert template.supports_tools
-    assert (template.call_markers.open, template.call_markers.close) == ("<function_call>", "</function_call>")
+    assert template.dialect.name == "hermes"
+    assert [(m.open, m.close) for m in template.dialect.calls] == [("<function_call>", "</function_call>")]
     tool = normalize_tool({"name": "get_weather", "parameters": {"type": "object"}})
     frame = template.system_with_tools([tool])
     assert '"name": "get_weather"' in frame.before + frame.after and "# Tools" in frame.before + frame.after
     plain = ChatTemplate(model.chat_template or CHATML, model.tokenize)
-    assert not plain.supports_tools and plain.call_markers.open == "<tool_call>"
+    assert not plain.supports_tools and plain.dialect is HERMES

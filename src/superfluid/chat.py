@@ -62,6 +62,7 @@ class ChatRequest:
     max_tokens: int | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"  # "auto", "none", "required" or {"function": {"name": ...}}
+    parallel_tool_calls: bool = False  # a required call may be several (only when the request says so)
     stop: list[str] = field(default_factory=list)
     json_schema: Any = None  # a schema, or True for any JSON object
     qos: int = QOS_AGENT
@@ -76,6 +77,7 @@ class ChatRequest:
     # prompt-cache breakpoints: (message index, characters of its content) whose prefix is pinned
     cache_marks: list[tuple[int, int]] = field(default_factory=list)
     cache_ttl_ms: int = DEFAULT_TTL_MS
+    prompt_tokens: list[int] | None = None  # a prompt given as token ids (a FIM prompt), rendered with no template
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Collected:
 def rendered(request: ChatRequest, runtime: Runtime) -> tuple[list[int], list[int], list[int]]:
     """A request's prompt tokens, its assistant opener, and where its prompt-cache marks fall in the
     prompt; ChatError when the chat template cannot render it."""
+    if request.prompt_tokens is not None:
+        return list(request.prompt_tokens), [], []
     try:
         if request.prompt is not None:
             return runtime.model.tokenize(request.prompt, False), [], []
@@ -205,7 +209,7 @@ class ChatRun:
             raise ChatError(str(e)) from None
 
     def _grammar(self) -> str | None:
-        request, markers = self.request, self.runtime.template.call_markers
+        request, template = self.request, self.runtime.template
         try:
             choice = request.tool_choice
             if request.tools and (choice == "required" or isinstance(choice, dict)):
@@ -217,7 +221,12 @@ class ChatRun:
                 ]
                 if not tools:
                     raise ChatError(f"tool_choice names {wanted!r}, which is not among the tools")
-                return tool_call_grammar(tools, markers.open, markers.close)
+                return tool_call_grammar(
+                    tools,
+                    template.dialect.shape,
+                    parallel=request.parallel_tool_calls and not isinstance(choice, dict),
+                    prefix=template.reasoning_left_open(),
+                )
             if request.json_schema is not None:
                 schema = {"type": "object"} if request.json_schema is True else request.json_schema
                 return schema_grammar(schema)
@@ -254,6 +263,9 @@ class ChatRun:
                         yield Piece("text", text, logprobs=rows)
                     if hit is not None:
                         generation.cancel()
+                elif isinstance(outcome, Committed) and isinstance(outcome.event.body, B.ToolParseFailure):
+                    # a call that does not read as one reaches the client as the text the model wrote
+                    yield Piece("text", outcome.event.body.raw)
                 elif isinstance(outcome, Committed) and isinstance(outcome.event.body, B.ToolUse):
                     calls += 1
                     body = outcome.event.body

@@ -75,6 +75,9 @@ class ServeConfig:
     offline: bool = False
     log_filter: str = "info"
     fim_tokens: tuple[int, int, int] | None = None
+    fim_model: str | None = None  # the model fill-in-the-middle runs on; None: the default one
+    chat_template: Path | None = None  # a Jinja file in place of the GGUF's own template
+    tool_call_parser: str | None = None  # a dialect name (superfluid.model.dialects); None: from the template
     tick_ms: float = 50.0
     host_cache_mb: int = field(default_factory=lambda: default_host_cache_mb())
     park: bool | None = None  # KV states on disk under <sessions>/park; None: where the disk suits

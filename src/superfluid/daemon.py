@@ -9,6 +9,7 @@ is the `Err` message the client sees; nothing is written when a request is refus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -25,17 +26,17 @@ from .cluster import RemoteCommits
 from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
 from .engine.llama import LlamaModel
 from .engine.shaping import Shaping
+from .fim import FimError, check_fim, fim_prompt, fim_runtime
 from .generation import Done, GenerationRun, Generations, Outcome
 from .logsetup import set_log_directive
 from .metrics import Metrics
 from .model.blocks import BlockError, project_block
-from .model.channels import THINK, ChannelSplitter
+from .model.channels import ChannelSplitter
 from .model.template import ChatTemplate, TemplateProblem
 from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tool, normalize_tools
 from .protocol.schema import (
     BLOCK_IMAGE,
-    FIM_PSM,
-    FIM_SPM,
+    CHANNEL_TEXT,
     FINISH_GRAMMAR,
     FINISH_STOP,
     LEDGER_CANCEL_REQUESTED,
@@ -442,10 +443,8 @@ class Daemon:
             try:
                 if not tools:
                     span = self.template.message(ROLE_SYSTEM, text, first=True)
-                elif self.template.supports_tools:
-                    span = self.template.framed(self.template.system_with_tools(tools), text, first=True)
                 else:
-                    span = self.template.message(ROLE_SYSTEM, fallback_system_text(text, tools), first=True)
+                    span = self._system_with_tools(text, tools)
             except TemplateProblem as e:
                 raise DaemonError(str(e)) from None
             return Response.Committed(self._commit_one(state.id, B.Message(ROLE_SYSTEM, text, span)))
@@ -595,6 +594,15 @@ class Daemon:
 
     # ---- generation ----
 
+    def _system_with_tools(self, text: str, tools: list[dict[str, Any]]) -> list[int]:
+        """A first system turn declaring `tools`: through the template where it renders one such turn on its
+        own, else (a template that knows no tools, or puts the system text in a later turn) in our words."""
+        template = self.template
+        if template.supports_tools:
+            with contextlib.suppress(TemplateProblem):
+                return template.framed(template.system_with_tools(tools), text, first=True)
+        return template.message(ROLE_SYSTEM, fallback_system_text(text, tools, template.dialect), first=True)
+
     def grammar_for(self, *, gbnf: Any = None, json_schema: Any = None, tool: Any = None) -> str | None:
         """The GBNF of a constraint given as a grammar, a JSON schema, or a tool to call (at most one)."""
         given = [name for name, value in (("grammar", gbnf), ("json_schema", json_schema), ("tool", tool)) if value]
@@ -609,8 +617,12 @@ class Daemon:
                 return schema_grammar(json_schema)
             if tool is not None:
                 function = normalize_tool(tool)["function"]
-                markers = self.template.call_markers
-                return tool_call_grammar([(function["name"], function["parameters"])], markers.open, markers.close)
+                template = self.template
+                return tool_call_grammar(
+                    [(function["name"], function["parameters"])],
+                    template.dialect.shape,
+                    prefix=template.reasoning_left_open(),
+                )
         except (GrammarError, ToolDeclarationError) as e:
             raise DaemonError(str(e)) from None
         return None
@@ -662,9 +674,10 @@ class Daemon:
                 writes.append((s.id, B.GenerationPrompt(opener)))
             if writes:
                 self.bus.publish(s.id, self.store.commit(writes))
-            splitter = ChannelSplitter(model.pieces, (THINK, template.call_markers))
-            if not opener:
-                splitter.prime(_open_turn(s))
+            splitter = ChannelSplitter(model.pieces, template.dialect.markers)
+            # the turn so far: its opener may open a channel (a template that starts the reply thinking)
+            turn = opener or _open_turn(s)
+            splitter.prime(turn, fresh=bool(opener) or not _turn_has_text(s))
             listener = QueueListener()
             run = GenerationRun(
                 s.id,
@@ -678,6 +691,7 @@ class Daemon:
                 provisional=provisional,
                 publisher=self.bus,
                 ignore_eos=bool(req.ignore_eos),
+                dialect=template.dialect,
             )
             job = run.job
             job.grammar = grammar
@@ -877,46 +891,40 @@ class Daemon:
     # ---- fill in the middle ----
 
     async def _complete(self, req: R.Complete) -> Response:
-        missing = [name for name, token in self.model.fim.items() if token < 0]
-        if missing:
-            raise DaemonError(
-                f"this codec has no FIM dialect: {self.model.name} has no {', '.join(missing)} token "
-                "(a model made for code infill has them; --fim-tokens names them for a GGUF that lost them)"
-            )
-        if req.mode not in (FIM_PSM, FIM_SPM):
-            raise DaemonError(f"unknown FIM mode {req.mode} (0 prefix-suffix-middle, 1 suffix-prefix-middle)")
+        """Fill in the middle, greedy, on `--fim-model`'s model (else the default), with the prompt the
+        HTTP routes build too (`fim.fim_prompt`)."""
+        try:
+            runtime = await asyncio.to_thread(fim_runtime, self.models)
+            check_fim(runtime.model, req.mode)
+        except FimError as e:
+            raise DaemonError(str(e)) from None
         key = (req.prefix, req.suffix, req.mode, req.max_tokens)
         cached = self._completions.get(key)
         if cached is not None:
             self._completions.move_to_end(key)
             self.metrics.fim_completions.labels(result="cached").inc()
             return Response.Completion(cached[0], cached[1], True, False)
-        fim = self.model.fim
-        prefix = self.model.tokenize(req.prefix, False)
-        suffix = self.model.tokenize(req.suffix, False)
-        if req.mode == FIM_PSM:
-            prompt = [fim["prefix"], *prefix, fim["suffix"], *suffix, fim["middle"]]
-        else:
-            prompt = [fim["suffix"], *suffix, fim["prefix"], *prefix, fim["middle"]]
-        if len(prompt) >= self.window:
+        prompt = fim_prompt(runtime.model, req.prefix, req.suffix, req.mode)
+        if len(prompt) >= runtime.window:
             raise DaemonError(
-                f"this model's maximum context length is {self.window} tokens, but your request has "
+                f"this model's maximum context length is {runtime.window} tokens, but your request has "
                 f"{len(prompt)} tokens; shorten the prompt or drop earlier turns"
             )
         tokens: list[int] = []
         if req.max_tokens > 0:
             sink = CompletionSink()
             job = Job(prompt, GREEDY, req.max_tokens, sink=sink, qos=QOS_COMPLETION)
-            self.scheduler.submit(job)
+            scheduler = runtime.scheduler
+            scheduler.submit(job)
             try:
                 _, error = await sink.done
             except asyncio.CancelledError:
-                self.scheduler.cancel(job)
+                scheduler.cancel(job)
                 raise
             if error:
                 raise DaemonError(error)
             tokens = sink.output
-        text = self.model.detokenize(tokens)
+        text = runtime.model.detokenize(tokens)
         self._completions[key] = (text, tokens)
         while len(self._completions) > COMPLETION_CACHE:
             self._completions.popitem(last=False)
@@ -1060,6 +1068,17 @@ def _open_turn(s: SessionState) -> list[int]:
         if isinstance(body, B.GenerationPrompt):
             break
     return tokens
+
+
+def _turn_has_text(s: SessionState) -> bool:
+    """Whether the open turn a continuation extends has text already (a leading call can no longer open)."""
+    for event in reversed(s.events):
+        body = event.body
+        if isinstance(body, (B.Message, B.ToolResult, B.Block, B.GenerationPrompt)):
+            return False
+        if isinstance(body, B.Generated) and body.channel == CHANNEL_TEXT and body.text.strip():
+            return True
+    return False
 
 
 def _image_blob(payload: str) -> str | None:

@@ -25,7 +25,7 @@ from .bus import Committed, Provisional
 from .engine.shaping import LogprobRow
 from .metrics import Metrics
 from .model.channels import ChannelSplitter, Piece
-from .model.toolcall import parse_tool_call
+from .model.dialects import HERMES, Dialect
 from .protocol.schema import (
     CHANNEL_REASONING,
     CHANNEL_TEXT,
@@ -94,6 +94,7 @@ class GenerationRun:
         provisional: bool,
         publisher: Publisher,
         ignore_eos: bool = False,
+        dialect: Dialect = HERMES,
     ) -> None:
         self.session = session
         self.job = Job(
@@ -107,6 +108,7 @@ class GenerationRun:
             session=session,
         )
         self.splitter = splitter
+        self.dialect = dialect  # reads the calls the splitter closes
         self.listener = listener
         self.provisional = provisional
         self.publisher = publisher
@@ -201,18 +203,31 @@ class GenerationRun:
                 bodies.append(B.Generated(span, "".join(text), channel, 0))
                 span, text = [], []
                 if piece.call is not None:
-                    bodies.append(_tool_record(piece.call))
+                    bodies += self._call_records(piece.call)
         if span or text:
             bodies.append(B.Generated(span, "".join(text), channel, 0))
         if self.finish is not None:
             if self.splitter.channel == CHANNEL_TOOL_CALL and self.finish in (FINISH_STOP, FINISH_GRAMMAR):
-                bodies.append(_tool_record(self.splitter.call_text))  # the generation ended the call
+                bodies += self._call_records(self.splitter.call_text)  # the generation ended the call
             last = bodies[-1] if bodies else None
             if isinstance(last, B.Generated):
                 bodies[-1] = B.Generated(last.span, last.text, last.channel, self.finish)
             else:
                 bodies.append(B.Generated([], "", self.splitter.channel, self.finish))
         return bodies
+
+    def _call_records(self, call_text: str) -> list[EventBody]:
+        """A `ToolUse` per call of a closed section; a `ToolParseFailure` with its text when none reads."""
+        parsed = self.dialect.parse(call_text)
+        if parsed is None:
+            log.warning(
+                "session %d: a %s tool call that does not parse, kept as text: %.200r",
+                self.session,
+                self.dialect.name,
+                call_text,
+            )
+            return [B.ToolParseFailure(call_text)]
+        return [B.ToolUse(call.name, call.arguments) for call in parsed]
 
     # ---- committer thread ----
 
@@ -227,13 +242,6 @@ class GenerationRun:
         job = self.job
         drafts = (job.spec_proposed, job.spec_accepted)
         self.listener.put(Done(list(self.delivered), job.generated, self.finish or 0, job.warm_prefix, error, drafts))
-
-
-def _tool_record(call_text: str) -> EventBody:
-    parsed = parse_tool_call(call_text)
-    if parsed is None:
-        return B.ToolParseFailure(call_text)
-    return B.ToolUse(parsed.name, parsed.arguments)
 
 
 # a run's records of one tick, and whether they are its last

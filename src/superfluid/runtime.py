@@ -24,6 +24,7 @@ from .engine.build import exactness_problems, fast_environment, fast_library
 from .engine.channel import WorkerEngine
 from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
 from .engine.local import Engine, LocalEngine
+from .model.dialects import named
 from .model.resolve import ModelNotFound, resolve_model
 from .model.template import CHATML, ChatTemplate
 from .scheduler.park import Park, default_budget, park_fingerprint
@@ -104,16 +105,27 @@ def model_sampling(metadata: dict[str, str]) -> SamplingDefaults:
     return SamplingDefaults(**values)
 
 
-def chat_template(model: LlamaModel) -> ChatTemplate:
-    if model.chat_template is None:
+def chat_template(model: LlamaModel, config: ServeConfig | None = None) -> ChatTemplate:
+    """The model's chat template (or `--chat-template`'s) with its tool-call dialect (or `--tool-call-parser`'s)."""
+    source = model.chat_template
+    if config is not None and config.chat_template is not None:
+        try:
+            source = config.chat_template.read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template {config.chat_template}: {e.strerror or e}") from None
+    elif source is None:
         log.warning("%s carries no chat template; using ChatML", model.path.name)
-    return ChatTemplate(
-        model.chat_template or CHATML,
+    parser = config.tool_call_parser if config is not None else None
+    template = ChatTemplate(
+        source or CHATML,
         model.tokenize,
         bos_text=model.token_text(model.bos) if model.bos >= 0 else "",
         eos_text=model.token_text(model.eos) if model.eos >= 0 else "",
         bos_token=model.bos if model.add_bos and model.bos >= 0 else None,
+        dialect=named(parser) if parser else None,
     )
+    log.info("%s: tool calls and reasoning in the %s dialect", model.path.name, template.dialect.name)
+    return template
 
 
 def fast_kernels(config: ServeConfig) -> Path | None:
@@ -154,7 +166,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     model = LlamaModel(path, vocab_only=config.worker_process)
     if config.fim_tokens is not None:
         model.set_fim(*config.fim_tokens)
-    template = chat_template(model)
+    template = chat_template(model, config)
     trained = model.n_ctx_train or 8192
     window = config.max_context or min(trained, 8192)
     if window > trained:

@@ -25,6 +25,7 @@ from .config import (
     default_sessions,
     default_socket,
 )
+from .model.dialects import DIALECTS, NAMES
 from .protocol.schema import QOS_ALIASES, qos_class
 
 RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
@@ -205,6 +206,32 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         type=_fim_tokens,
         metavar="PRE,SUF,MID",
         help="token ids of the fill-in-the-middle markers, for a GGUF whose metadata lacks them",
+    )
+    model.add_argument(
+        "--fim-model",
+        default=None,
+        metavar="NAME",
+        help="the served model (MODEL or a --model, named as a request's model field names it) that "
+        "fill-in-the-middle runs on: the socket's Complete, and /v1/completions with suffix, /infill and "
+        "/api/generate with suffix when they name no model; chat stays on the default (default: the default model)",
+    )
+
+    model.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="render chats with this Jinja template instead of the one in the GGUF (every model served); "
+        "its tool-call dialect is recognised from it like a GGUF's",
+    )
+    model.add_argument(
+        "--tool-call-parser",
+        choices=NAMES,
+        default=None,
+        metavar="NAME",
+        help="the tool-call and reasoning dialect, when recognising it from the chat template is wrong: "
+        + ", ".join(f"{d.name} ({d.families})" for d in DIALECTS)
+        + " (default: recognised from the template)",
     )
 
     server = serve.add_argument_group("listeners")
@@ -580,6 +607,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         web_origins=args.web_origins,
         offline=args.offline,
         fim_tokens=args.fim_tokens,
+        fim_model=args.fim_model,
+        chat_template=args.chat_template.expanduser() if args.chat_template else None,
+        tool_call_parser=args.tool_call_parser,
         log_filter="debug" if args.verbose else args.log_filter,
         http_default_qos=args.http_default_qos,
         http_qos_header=not args.no_http_qos_header,

@@ -18,6 +18,7 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from ..model.dialects.shape import GEMMA_QUOTE, CallShape
 from .llama import LlamaModel
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -79,23 +80,77 @@ def schema_grammar(schema: Any) -> str:
         raise GrammarError(f"the JSON schema cannot be compiled to a grammar: {e}") from None
 
 
-def tool_call_grammar(tools: list[tuple[str, dict[str, Any]]], open_marker: str, close_marker: str) -> str:
-    """GBNF forcing one call of one of `tools` ((name, parameters) pairs): the markers around
-    `{"name": ..., "arguments": {...}}`."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-            "required": ["name", "arguments"],
-        }
-        for name, parameters in tools
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+_RULE_NAME = re.compile(r"^([A-Za-z0-9-]+)\s*::=", re.MULTILINE)
+# GBNF's pieces: string literals and character classes (left alone), names, anything else
+_GBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[A-Za-z0-9-]+|.', re.DOTALL)
+
+
+def _prefixed(gbnf: str, prefix: str) -> str:
+    """`gbnf` with every rule renamed `prefix` + name, so several grammars can share one root."""
+    names = set(_RULE_NAME.findall(gbnf))
+    return "".join(prefix + piece if piece in names else piece for piece in _GBNF_PIECE.findall(gbnf))
+
+
+def _value_rules(schema: Any, prefix: str, what: str) -> str:
+    """Rules for JSON values of `schema`, the top one named `prefix`root."""
     try:
-        body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
-    except Exception as e:
-        names = ", ".join(name for name, _ in tools)
-        raise GrammarError(f"the parameters of {names} cannot be compiled to a grammar: {e}") from None
-    body = re.sub(r"^root ::=", "call ::=", body, flags=re.MULTILINE)
-    # GBNF string literals are written like JSON strings
-    return f"root ::= {json.dumps(open_marker + chr(10))} call {json.dumps(chr(10) + close_marker)}\n{body}"
+        return _prefixed(json_schema_to_gbnf(json.dumps(schema)), prefix)
+    except Exception as e:  # the converter raises bare exceptions on schemas it cannot handle
+        raise GrammarError(f"the parameters of {what} cannot be compiled to a grammar: {e}") from None
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # GBNF string literals are written like JSON strings
+
+
+def tool_call_grammar(
+    tools: list[tuple[str, dict[str, Any]]], shape: CallShape, *, parallel: bool = False, prefix: str = ""
+) -> str:
+    """GBNF forcing calls of `tools` ((name, parameters) pairs) in a dialect's own markup: one call, or
+    with `parallel` one or more; `prefix` is text the reply must begin with (the close of a reasoning
+    block its generation prompt opened)."""
+    rules: list[str] = []
+    alternatives = []
+    head, index_mark, tail = shape.name_close.partition("{index}")
+    name_close = _literal(head) + (" [0-9]{1,2} " + _literal(tail) if index_mark else "")
+    for index, (name, parameters) in enumerate(tools):
+        schema = parameters or {"type": "object"}
+        arguments = _arguments(schema, shape, f"t{index}-", name, rules)
+        rules.append(
+            f"call-{index} ::= {_literal(shape.call_open + name)} {name_close} {arguments} {_literal(shape.call_close)}"
+        )
+        alternatives.append(f"call-{index}")
+    repeat = f" ({_literal(shape.separator)} call)*" if parallel else ""
+    root = f"root ::= {_literal(prefix + shape.section_open)} call{repeat} {_literal(shape.section_close)}"
+    return "\n".join([root, f"call ::= {' | '.join(alternatives)}", *rules])
+
+
+def _arguments(schema: dict[str, Any], shape: CallShape, prefix: str, name: str, rules: list[str]) -> str:
+    """The rule text of one call's arguments in the shape's style (rules it needs go to `rules`)."""
+    if shape.arguments == "json":
+        rules.append(_value_rules(schema, prefix, name))
+        return f"{prefix}root"
+    properties = schema.get("properties") or {}
+    required = [key for key in schema.get("required", []) if key in properties]
+    items = []
+    for position, key in enumerate(properties):
+        value = _param_value(properties[key], shape, f"{prefix}p{position}-", name, rules)
+        if shape.arguments == "gemma":
+            if key in required:
+                items.append(f"{_literal(key + ':')} {value}")
+            continue
+        item = f"{_literal(shape.param_open + key + shape.param_mid)} {value} {_literal(shape.param_close)}"
+        items.append(item if key in required else f"({item})?")
+    if shape.arguments == "gemma":
+        return '"{" ' + ' "," '.join(items) + ' "}"' if items else '"{}"'
+    return " ".join(items) if items else '""'
+
+
+def _param_value(schema: dict[str, Any], shape: CallShape, prefix: str, name: str, rules: list[str]) -> str:
+    """One parameter's value: a string as raw text (quoted in Gemma's syntax), any other type as JSON."""
+    enum = schema.get("enum")
+    if schema.get("type", "string") == "string" or (enum and all(isinstance(v, str) for v in enum)):
+        raw = "(" + " | ".join(_literal(v) for v in enum) + ")" if enum else "[^<]*"
+        return f"{_literal(GEMMA_QUOTE)} {raw} {_literal(GEMMA_QUOTE)}" if shape.arguments == "gemma" else raw
+    rules.append(_value_rules(schema, prefix, name))
+    return f"{prefix}root"

@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError, meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError, meta, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
+from jinja2.sandbox import SandboxedEnvironment
 
-from ..protocol.schema import CHANNEL_TOOL_CALL, ROLE_NAMES, ROLE_SYSTEM, ROLE_USER
-from .channels import TOOL_CALL, Markers
+from ..protocol.schema import ROLE_NAMES, ROLE_SYSTEM, ROLE_TOOL, ROLE_USER
+from .dialects import HERMES, Dialect, hermes_with, recognise
 from .tools import fallback_system_text
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, parse_special) -> token ids
+
+log = logging.getLogger("superfluid.template")
 
 _SENTINEL = "\u2063SFCONTENT{}\u2063"
 _SENTINEL_RE = re.compile("\u2063SFCONTENT(\\d+)\u2063")
@@ -37,6 +42,8 @@ _SENTINEL_RE = re.compile("\u2063SFCONTENT(\\d+)\u2063")
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 # reasoning efforts that mean "do not think", for a template that only knows enable_thinking
 NO_THINKING = frozenset({"none", "minimal"})
+# reasoning efforts from least to most; a level a template does not know is snapped to its nearest
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 # ChatML, for a GGUF that carries no template of its own.
 CHATML = (
@@ -57,14 +64,24 @@ class Frame:
     after: str
 
 
-def call_wire(call: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI-style tool call as the `<tool_call>` wire writes it: name and arguments."""
+def call_wire(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An OpenAI-style tool call as (name, arguments object), arguments sent as JSON text decoded."""
     function = call.get("function", call)
-    arguments = function.get("arguments", {})
+    arguments = _arguments_object(function.get("arguments", {}))
+    return function.get("name", ""), arguments if isinstance(arguments, dict) else {}
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """Arguments sent as JSON text, decoded (what chat templates iterate and `tojson`); other text as it is."""
     if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError):  # keep text that is not JSON as it is
-            arguments = json.loads(arguments)
-    return {"name": function.get("name", ""), "arguments": arguments}
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(arguments)
+    return arguments
+
+
+def text_content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _object_end(text: str, start: int) -> int:
@@ -82,6 +99,24 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    if not isinstance(value, (dict, list, str, int, float, bool, type(None))):
+        value = list(value) if hasattr(value, "__iter__") else None  # a generator or an undefined value
+    return json.dumps(value, indent=indent, ensure_ascii=False)
+
+
+class GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (Hugging Face marks the assistant's own text with it):
+    rendered as its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 class ChatTemplate:
     """A model's chat template, probed at load into per-role frames."""
 
@@ -93,14 +128,15 @@ class ChatTemplate:
         bos_text: str = "",
         eos_text: str = "",
         bos_token: int | None = None,
+        dialect: Dialect | None = None,
     ) -> None:
-        # the environment Hugging Face renders chat templates in
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        # the environment Hugging Face renders chat templates in; lists may be appended to (Kimi K2's do)
+        env = SandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationTag]
         )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+        env.filters["tojson"] = _tojson
         self.source = source
         try:
             self._template = env.from_string(source)
@@ -112,29 +148,50 @@ class ChatTemplate:
         self._bos_text = bos_text
         self._eos_text = eos_text
         self._bos_token = bos_token  # a model that wants BOS first gets it, if the template does not write it
-        self.supports_tools = "tools" in source
+        self.supports_tools = "tools" in source  # it declares tools itself
+        self.renders_calls = "tool_calls" in source  # it writes an assistant's earlier calls itself
         probe = {"role": "system", "content": "sf-probe"}
+        asked = {"role": "user", "content": "sf-probe"}
+        # what a later message follows: a system turn, or (for templates that want a user turn
+        # first, or have no system role) a finished exchange
+        histories = ([probe], [asked, {"role": "assistant", "content": "sf-probe"}], [asked])
         self._first: dict[int, Frame] = {}
         self._later: dict[int, Frame] = {}
         for role, name in ROLE_NAMES.items():
-            try:
+            with contextlib.suppress(TemplateError, TemplateProblem):
                 self._first[role] = self._frame([], name)
-                self._later[role] = self._frame([probe], name)
-            except (TemplateError, TemplateProblem):
-                continue  # the template refuses this role; messages of it fall back (see frame_for)
+            for history in histories:
+                try:
+                    self._later[role] = self._frame(history, name)
+                    break
+                except (TemplateError, TemplateProblem):
+                    continue  # the template refuses this role; messages of it fall back (see frame_for)
         if ROLE_USER not in self._later:
-            raise TemplateProblem("the chat template cannot render a user message after a system message")
-        base = [probe, {"role": "user", "content": "sf-probe"}]
-        closed = self.render(base, add_generation_prompt=False)
+            raise TemplateProblem("the chat template cannot render a user message after another message")
+        try:
+            base = [probe, asked]
+            closed = self.render(base, add_generation_prompt=False)
+        except TemplateProblem:
+            base = [asked]  # no system role
+            closed = self.render(base, add_generation_prompt=False)
         opened = self.render(base, add_generation_prompt=True)
         if not opened.startswith(closed):
             raise TemplateProblem("the chat template's generation prompt does not extend the conversation")
         self.opener_text = opened[len(closed) :]
         self.separator_text = self._later[2].after if 2 in self._later else self._later[ROLE_USER].after
-        self.call_markers = (self._learn_call_markers() if self.supports_tools else None) or TOOL_CALL
+        self.dialect = dialect or self._recognise()
+        self.arguments_as_text = self.renders_calls and self._arguments_as_text()
 
-    def _learn_call_markers(self) -> Markers | None:
-        """How the template writes a tool call, from one synthetic call: the text around its JSON."""
+    def _recognise(self) -> Dialect:
+        """The dialect the template's text shows; else Hermes-style JSON calls between the tags the
+        template writes them in; else Hermes (what the fallback prompt of a template without tools asks for)."""
+        shown = recognise(self.source)
+        if shown is not None or not self.supports_tools:
+            return shown or HERMES
+        return self._learn_call_tags() or HERMES
+
+    def _learn_call_tags(self) -> Dialect | None:
+        """Hermes-style calls between the template's own tags, from one synthetic call: the text around its JSON."""
         probe_tool = {"type": "function", "function": {"name": "sf_probe_fn", "parameters": {"type": "object"}}}
         call = {
             "type": "function",
@@ -165,7 +222,7 @@ class ChatTemplate:
         open_text, close_text = turn[:start].strip(), turn[end:].strip()
         if not open_text or not close_text:
             return None
-        return Markers(CHANNEL_TOOL_CALL, open_text, close_text)
+        return hermes_with(open_text, close_text)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, **extra: Any) -> str:
         try:
@@ -176,7 +233,7 @@ class ChatTemplate:
                 eos_token=self._eos_text,
                 **extra,
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: the template adds text to an object, say
             raise TemplateProblem(f"the chat template failed to render: {e}") from None
 
     def _frame(self, history: list[dict[str, Any]], role: str, **extra: Any) -> Frame:
@@ -193,8 +250,9 @@ class ChatTemplate:
         frames = self._first if first else self._later
         if role in frames:
             return frames[role]
-        if role == ROLE_SYSTEM:
-            # templates without a system role: its text becomes a user turn
+        if role in (ROLE_SYSTEM, ROLE_TOOL):
+            # templates without a system role, or that write a tool's result inside the model's own
+            # turn (Gemma 4): its text becomes a user turn
             return frames[ROLE_USER]
         raise TemplateProblem(f"the chat template has no {ROLE_NAMES.get(role, role)} role")
 
@@ -210,24 +268,49 @@ class ChatTemplate:
         return tokens
 
     def system_with_tools(self, tools: list[dict[str, Any]]) -> Frame:
-        """The frame of a first system turn that declares `tools` through the template."""
-        return self._frame([], "system", tools=tools)
+        """The frame of a first system turn that declares `tools` through the template (in the system turn
+        where the template would put them in the first user turn, as Llama 3.1's does by default)."""
+        extra: dict[str, Any] = {"tools": tools}
+        if "tools_in_user_message" in self.variables:
+            extra["tools_in_user_message"] = False
+        return self._frame([], "system", **extra)
 
     def request_variables(self, given: dict[str, Any]) -> dict[str, Any]:
         """A request's template variables (`chat_template_kwargs`, `enable_thinking`, `reasoning_effort`)
         as this template takes them; TemplateProblem for one the renderer sets itself.
 
-        A `reasoning_effort` of none or minimal turns thinking off in a template that knows
-        `enable_thinking` but no effort; any other effort it does not know is left to be ignored.
+        A template that takes `reasoning_effort` gets a level it knows (an unknown one snaps to the
+        nearest, with a log line); one that knows only `enable_thinking` (or DeepSeek's `thinking`)
+        has it turned off by none or minimal.
         """
         reserved = sorted(RESERVED_VARIABLES & given.keys())
         if reserved:
             raise TemplateProblem(f"chat_template_kwargs may not set {', '.join(reserved)}: the request does")
         out = dict(given)
         effort = out.get("reasoning_effort")
-        if "reasoning_effort" not in self.variables and effort in NO_THINKING and "enable_thinking" in self.variables:
-            out.setdefault("enable_thinking", False)
+        if effort is not None and "reasoning_effort" in self.variables:
+            out["reasoning_effort"] = self._known_effort(str(effort))
+        elif effort is not None:
+            del out["reasoning_effort"]
+            if effort in NO_THINKING:
+                out.setdefault("enable_thinking", False)
+        if "enable_thinking" in out and "enable_thinking" not in self.variables and "thinking" in self.variables:
+            out.setdefault("thinking", out.pop("enable_thinking"))  # DeepSeek V3.1's switch
         return out
+
+    def _known_effort(self, effort: str) -> str:
+        """`effort` as this template knows it: a level it does not know becomes its nearest, with a note."""
+        known = [level for level in EFFORTS if f'"{level}"' in self.source or f"'{level}'" in self.source]
+        if len(known) < 2:
+            known = ["low", "medium", "high"]  # what templates taking an effort know, gpt-oss's among them
+        if effort in known:
+            return effort
+        rank = EFFORTS.index(effort) if effort in EFFORTS else EFFORTS.index("medium")  # a level of no scale
+        nearest = min(known, key=lambda level: (abs(EFFORTS.index(level) - rank), EFFORTS.index(level)))
+        log.info(
+            "reasoning_effort %r is not a level this template knows (%s): using %r", effort, ", ".join(known), nearest
+        )
+        return nearest
 
     def conversation(
         self,
@@ -265,20 +348,26 @@ class ChatTemplate:
             extra["tools"] = tools
         elif tools:
             if messages and messages[0].get("role") == "system":
-                messages[0]["content"] = fallback_system_text(str(messages[0].get("content") or ""), tools)
+                text = str(messages[0].get("content") or "")
+                messages[0]["content"] = fallback_system_text(text, tools, self.dialect)
             else:
-                messages.insert(0, {"role": "system", "content": fallback_system_text("", tools)})
+                messages.insert(0, {"role": "system", "content": fallback_system_text("", tools, self.dialect)})
                 shift = 1
+        if ROLE_SYSTEM not in self._first and len(messages) > 1 and messages[0].get("role") == "system":
+            # a template with no system role (Gemma 2): the system text opens the first user turn
+            system = messages.pop(0)
+            first = dict(messages[0])
+            first["content"] = f"{text_content(system)}\n\n{text_content(first)}"
+            messages[0] = first
+            shift -= 1
         contents: list[str] = []
         piece_of: dict[int, int] = {}  # message index -> its content's piece
         for index, message in enumerate(messages):
-            if message.get("tool_calls") and not self.supports_tools:
-                markers = self.call_markers
-                calls = "".join(
-                    f"{markers.open}\n{json.dumps(call_wire(call), ensure_ascii=False)}\n{markers.close}"
-                    for call in message.pop("tool_calls")
-                )
+            if message.get("tool_calls") and not self.renders_calls:
+                calls = self.dialect.write([call_wire(call) for call in message.pop("tool_calls")])
                 message["content"] = f"{message.get('content') or ''}{calls}"
+            else:
+                messages[index] = message = self._as_template_takes(message)
             content = message.get("content")
             if isinstance(content, str) and content:
                 message["content"] = _SENTINEL.format(len(contents))
@@ -314,6 +403,54 @@ class ChatTemplate:
             agreeing = next((i for i, (a, b) in enumerate(zip(whole, cut, strict=False)) if a != b), len(cut))
             positions.append(bos + start + min(agreeing, len(whole)))
         return tokens, self._tokenize(opened[len(closed) :], True), positions
+
+    def _as_template_takes(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message as chat templates read it: call arguments as objects (as text for a template that
+        wants text), call ids in the form the dialect's template accepts, reasoning as `thinking` too."""
+        ids = self.dialect.call_ids
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                call = dict(call)
+                if "id" in call:
+                    call["id"] = ids(str(call["id"]))
+                if isinstance(call.get("function"), dict):
+                    function = dict(call["function"])
+                    arguments = _arguments_object(function.get("arguments", {}))
+                    if self.arguments_as_text and not isinstance(arguments, str):
+                        arguments = json.dumps(arguments, ensure_ascii=False)
+                    function["arguments"] = arguments
+                    call["function"] = function
+                calls.append(call)
+            message["tool_calls"] = calls
+        if message.get("tool_call_id"):
+            message["tool_call_id"] = ids(str(message["tool_call_id"]))
+        if message.get("reasoning_content") and "thinking" not in message:
+            message["thinking"] = message["reasoning_content"]
+        return message
+
+    def _arguments_as_text(self) -> bool:
+        """Whether the template wants call arguments as JSON text (most iterate them as an object)."""
+        call = {"id": "sfprobe01", "type": "function", "function": {"name": "sf_probe_fn", "arguments": {"a": 1}}}
+        history = [{"role": "user", "content": "sf-probe"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            self.render(history, add_generation_prompt=False)
+            return False
+        except (TemplateProblem, TypeError):
+            pass
+        call["function"]["arguments"] = '{"a": 1}'
+        try:
+            self.render(history, add_generation_prompt=False)
+            return True
+        except (TemplateProblem, TypeError):
+            return False
+
+    def reasoning_left_open(self) -> str:
+        """The close of a reasoning block the generation prompt opens (GLM-4.7's `<think>`), or ""."""
+        for marker in self.dialect.reasoning:
+            if self.opener_text.rfind(marker.open) > self.opener_text.rfind(marker.close):
+                return marker.close
+        return ""
 
     def opener(self) -> list[int]:
         """Tokens that open an assistant turn after an input turn."""

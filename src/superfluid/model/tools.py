@@ -9,7 +9,10 @@ chat templates expect in their `tools` variable.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .dialects import Dialect
 
 
 class ToolDeclarationError(ValueError):
@@ -38,11 +41,10 @@ def normalize_tool(raw: Any) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise ToolDeclarationError("its parameters must be a JSON schema object")
     declared: dict[str, Any] = {"name": name}
-    description = function.get("description")
-    if description is not None:
-        if not isinstance(description, str):
-            raise ToolDeclarationError("its description must be a string")
-        declared["description"] = description
+    description = function.get("description", "")  # templates read it unguarded (gpt-oss's does)
+    if not isinstance(description, str):
+        raise ToolDeclarationError("its description must be a string")
+    declared["description"] = description
     declared["parameters"] = parameters
     return {"type": "function", "function": declared}
 
@@ -58,18 +60,19 @@ def normalize_tools(raw_tools: list[Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def fallback_system_text(text: str, tools: list[dict[str, Any]]) -> str:
+def fallback_system_text(text: str, tools: list[dict[str, Any]], dialect: Dialect) -> str:
     """A system prompt that declares tools, for templates with no tool support of their own.
 
-    Calls are asked for in the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-    form, which the channel splitter recognises.
+    Calls are asked for in the dialect's own markup (by default Hermes-style
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), which the channel splitter recognises.
     """
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     preamble = f"{text}\n\n" if text else ""
+    example = dialect.write([("function_name", {"argument": "value"})])
     return (
         f"{preamble}# Tools\n\n"
         "You can call the functions described below. Each is a JSON object:\n"
         f"<tools>\n{listing}\n</tools>\n\n"
-        "To call one, answer with its name and a JSON object of arguments between tags, like this:\n"
-        '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n</tool_call>'
+        "To call one, answer with its name and its arguments like this:\n"
+        f"{example}"
     )

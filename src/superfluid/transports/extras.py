@@ -25,7 +25,6 @@ from ..logprobs import TokenLogprob
 from ..protocol.schema import GenParams
 
 MAX_CHOICES = 128
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 class ShapedBody(BaseModel):
@@ -100,12 +99,8 @@ class ChatExtras(ShapedBody):
         return (top or 0) if self.logprobs else -1
 
     def template_vars(self) -> dict[str, Any]:
-        """The chat template's variables: chat_template_kwargs over the top-level switches."""
-        if self.reasoning_effort is not None and self.reasoning_effort not in EFFORTS:
-            raise ChatError(
-                f"reasoning_effort must be one of {', '.join(EFFORTS)}, not {self.reasoning_effort!r}",
-                param="reasoning_effort",
-            )
+        """The chat template's variables: chat_template_kwargs over the top-level switches (an effort the
+        template does not know is snapped to its nearest: `ChatTemplate.request_variables`)."""
         variables: dict[str, Any] = {}
         if self.enable_thinking is not None:
             variables["enable_thinking"] = self.enable_thinking

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from ..daemon import Daemon
-from . import anthropic, anthropic_errors, embeddings, models, ollama, openai, responses, status
+from . import anthropic, anthropic_errors, embeddings, infill, models, ollama, openai, responses, status
 from .access import AccessGate, Key
 from .addresses import split_address
 from .chat_http import HttpPolicy
@@ -88,6 +88,7 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
 
     app.include_router(models.router(daemon))
     app.include_router(openai.router(daemon, policy))
+    app.include_router(infill.router(daemon, policy))
     app.include_router(responses.router(daemon, policy))
     app.include_router(anthropic.router(daemon, policy))
     app.include_router(ollama.router(daemon, policy))

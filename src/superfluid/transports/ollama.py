@@ -3,6 +3,11 @@
 Streaming is on unless `"stream": false`, as in Ollama: one JSON object per line, the
 last with `"done": true`, `done_reason`, and the token counts
 (`prompt_eval_cached_count` is how much of the prompt came from the cache).
+
+`/api/generate` with a `suffix` fills in the middle between `prompt` and `suffix` with the
+model's FIM tokens (`fim_request.py`: the prompt the socket's `Complete` builds, on
+`--fim-model`'s model when the request names none; `system`, `raw` and the template do not
+apply), in the completion scheduling class unless `x-superfluid-qos` names another.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from .. import __version__
 from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from ..daemon import Daemon
+from ..fim import missing_markers
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..runtime import ModelError, Runtime
 from .access import may_administer
 from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, scheduling
+from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
 from .openai import GONE, Body, sampling
 
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
@@ -48,6 +55,8 @@ class ChatBody(Body):
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    think: bool | str | None = None  # thinking on or off, or an effort (gpt-oss: low, medium, high)
+    tool_choice: str | dict[str, Any] | None = None  # extension, as on /v1/chat/completions
 
 
 class GenerateBody(Body):
@@ -56,6 +65,7 @@ class GenerateBody(Body):
     keep_alive: int | float | str | None = None
     model: str | None = None
     prompt: str = ""
+    suffix: str = ""  # fill in the middle between prompt and suffix
     system: str | None = None
     raw: bool = False
     stream: bool = True
@@ -78,6 +88,7 @@ def _request(
     messages: list[dict[str, Any]],
     options: dict[str, Any] | None,
     fmt: Any,
+    completion: bool = False,
     **kw: Any,
 ) -> ChatRequest:
     options = dict(options or {})
@@ -86,7 +97,7 @@ def _request(
         raise ChatError(f"unsupported option: {unknown[0]}")
     if options.get("num_ctx") not in (None, runtime.window):
         raise ChatError(f"num_ctx must be the server's window, {runtime.window}; start superfluid with --max-context")
-    qos, invariant = scheduling(http, policy)
+    qos, invariant = (completion_scheduling if completion else scheduling)(http, policy)
     seed = options.get("seed")
     predict = options.get("num_predict")
     stop = options.get("stop") or []
@@ -173,7 +184,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 "template": runtime.template.source,
                 "details": {"format": "gguf"},
                 "model_info": {"general.name": runtime.model.name, "context_length": runtime.window},
-                "capabilities": ["completion", "tools"],
+                "capabilities": ["completion", "tools", *([] if missing_markers(runtime.model) else ["insert"])],
             }
         )
 
@@ -196,9 +207,20 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 messages.append(converted)
             runtime = await runtime_for(daemon, body.model)
             tools = normalize_tools(body.tools or [])
-            run = ChatRun(
-                daemon, _request(runtime, http, policy, messages, body.options, body.format, tools=tools), runtime
+            think = body.think
+            switches = {"reasoning_effort": think} if isinstance(think, str) else {"enable_thinking": think}
+            request = _request(
+                runtime,
+                http,
+                policy,
+                messages,
+                body.options,
+                body.format,
+                tools=tools,
+                tool_choice=body.tool_choice or "auto",
+                template_vars=switches if think is not None else {},
             )
+            run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
         except ToolDeclarationError as e:
@@ -208,15 +230,22 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     @api.post("/api/generate")
     async def generate(body: GenerateBody, http: Request) -> Response:
         try:
-            if not body.prompt:
+            if not body.prompt and not body.suffix:
                 done = await _keep_alive(daemon, http, body.model, body.keep_alive)
                 return JSONResponse(
                     {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": done}
                 )
-            runtime = await runtime_for(daemon, body.model)
-            if body.raw:
+            if body.suffix:
+                runtime = await fim_runtime_for(daemon, body.model)
+                tokens = fim_tokens(runtime, body.prompt, body.suffix)
+                request = _request(
+                    runtime, http, policy, [], body.options, body.format, completion=True, prompt_tokens=tokens
+                )
+            elif body.raw:
+                runtime = await runtime_for(daemon, body.model)
                 request = _request(runtime, http, policy, [], body.options, body.format, prompt=body.prompt)
             else:
+                runtime = await runtime_for(daemon, body.model)
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                     {"role": "user", "content": body.prompt}
                 ]

@@ -8,6 +8,14 @@ last chunk carries `usage`, with the prompt tokens served from the cache as
 `x-superfluid-warm` header). A failure mid-stream is an `{"error": ...}` chunk, then
 `data: [DONE]`. The chat extras (n, logprobs, logit bias, penalties, template variables)
 are read by `extras.py`.
+
+`/v1/completions` continues a raw prompt, or with `suffix` fills in the middle between
+`prompt` and `suffix` (`fim_request.py`: the prompt the socket's `Complete` builds, on
+`--fim-model`'s model when the request names none). `echo` puts the prompt before the
+text, and the legacy integer `logprobs` (0-20 alternatives) answers OpenAI's completions
+object `{tokens, token_logprobs, top_logprobs, text_offset}` for the generated tokens
+(the prompt's tokens are not scored). Completions run in the completion scheduling class
+unless `x-superfluid-qos` names another.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter
@@ -26,10 +34,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece, seed_for
 from ..config import SamplingDefaults
 from ..daemon import Daemon
+from ..engine.shaping import MAX_TOP_LOGPROBS
+from ..logprobs import TokenLogprob
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
 from .chat_http import HttpPolicy, answer, collect, collect_all, runtime_for, scheduling, while_connected
 from .extras import ChatExtras, ShapedBody, choice_requests, logprobs_json
+from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
 
 _ids = itertools.count(1)
 
@@ -65,15 +76,24 @@ class ChatCompletionRequest(SampledBody, ChatExtras):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SampledBody):
-    """The body of POST /v1/completions."""
+    """The body of POST /v1/completions; with `suffix` (even empty) it fills in the middle."""
 
     prompt: str
     suffix: str | None = None
     max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None  # the legacy count of alternatives, 0 to 20
+
+    def logprob_count(self) -> int:
+        """-1 for no log probabilities, else how many alternatives each token lists."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ChatError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, not {self.logprobs}", param="logprobs")
+        return -1 if self.logprobs is None else self.logprobs
 
 
 def error(message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None) -> Response:
@@ -180,6 +200,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 max_tokens=body.max_completion_tokens or body.max_tokens,
                 tools=tools,
                 tool_choice=choice,
+                parallel_tool_calls=bool(body.parallel_tool_calls),
                 stop=_stops(body.stop),
                 json_schema=schema,
                 ignore_eos=body.ignore_eos,
@@ -201,42 +222,69 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
-        if body.suffix:
-            return error("fill-in-the-middle with suffix is served by the session API's Complete", param="suffix")
         try:
-            qos, invariant = scheduling(http, policy)
-            runtime = await runtime_for(daemon, body.model)
+            logprobs = body.logprob_count()
+            qos, invariant = completion_scheduling(http, policy)
+            if body.suffix is not None:
+                runtime = await fim_runtime_for(daemon, body.model)
+                prompt = {"prompt_tokens": fim_tokens(runtime, body.prompt, body.suffix, param="suffix")}
+            else:
+                runtime = await runtime_for(daemon, body.model)
+                prompt = {"prompt": body.prompt}
             request = ChatRequest(
                 messages=[],
-                prompt=body.prompt,
+                **prompt,
                 params=body.params(runtime.sampling),
                 max_tokens=body.max_tokens,
                 stop=_stops(body.stop),
                 ignore_eos=body.ignore_eos,
                 qos=qos,
                 batch_invariant=invariant,
-                shaping=body.shaping(runtime.sampling),
+                shaping=body.shaping(runtime.sampling, logprobs),
             )
             run = ChatRun(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, e.code, e.param)
         reply_id = f"cmpl-superfluid-{next(_ids)}"
         name = body.model or run.runtime.id
+        echo = body.prompt if body.echo else ""
         if body.stream:
-            return StreamingResponse(_completion_stream(run, reply_id, name), media_type="text/event-stream")
-        return await answer(policy, lambda: _completion_reply(run, http, reply_id, name))
+            return StreamingResponse(
+                _completion_stream(run, reply_id, name, echo, logprobs >= 0), media_type="text/event-stream"
+            )
+        return await answer(policy, lambda: _completion_reply(run, http, reply_id, name, echo, logprobs >= 0))
 
     return api
 
 
-async def _completion_reply(run: ChatRun, http: Request, reply_id: str, name: str) -> Response:
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of tokens whose text starts at character `offset` of
+    the choice's text: each token, its log probability, its best alternatives (with the drawn
+    token) and where its text starts."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        drawn = entry.drawn
+        top = {c.token: c.logprob for c in entry.top}
+        top[drawn.token] = drawn.logprob  # the drawn token is always among them
+        out["tokens"].append(drawn.token)
+        out["token_logprobs"].append(drawn.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(drawn.token)
+    return out
+
+
+async def _completion_reply(
+    run: ChatRun, http: Request, reply_id: str, name: str, echo: str, logprobs: bool
+) -> Response:
     reply = await collect(run, http)
     if reply is None:
         return error("the client closed the connection", GONE, "client_closed")
     outcome = run.result()
     if isinstance(outcome, str):
         return error(outcome, 500, "server_error")
-    choice = {"index": 0, "text": reply.text, "finish_reason": outcome.finish, "logprobs": None}
+    shown = completion_logprobs(reply.logprobs, len(echo)) if logprobs else None
+    choice = {"index": 0, "text": echo + reply.text, "finish_reason": outcome.finish, "logprobs": shown}
     return JSONResponse(_reply(reply_id, "text_completion", name, [choice], [outcome]))
 
 
@@ -376,15 +424,23 @@ async def _chat_stream(
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
+async def _completion_stream(
+    run: ChatRun, reply_id: str, name: str, echo: str = "", logprobs: bool = False
+) -> AsyncIterator[str]:
     created = int(time.time())
     base = {"id": reply_id, "object": "text_completion", "created": created, "model": name}
+
+    def chunk(text: str, shown: dict[str, Any] | None) -> str:
+        return _sse({**base, "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": shown}]})
+
+    offset = len(echo)
     try:
+        if echo:
+            yield chunk(echo, completion_logprobs((), 0) if logprobs else None)
         async for piece in run.pieces():
-            if piece.kind == "text":
-                yield _sse(
-                    {**base, "choices": [{"index": 0, "text": piece.text, "finish_reason": None, "logprobs": None}]}
-                )
+            if piece.kind == "text" and (piece.text or (logprobs and piece.logprobs)):
+                yield chunk(piece.text, completion_logprobs(piece.logprobs, offset) if logprobs else None)
+                offset += sum(len(entry.drawn.token) for entry in piece.logprobs) if logprobs else 0
     finally:
         run.cancel()
     outcome = run.result()

@@ -39,7 +39,6 @@ from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
 from .access import request_key
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
-from .extras import EFFORTS
 from .openai import GONE, SampledBody, chat_messages, error
 from .response_items import Event, Output, appendable, chat_turns, input_items, new_id, qualified
 
@@ -77,8 +76,6 @@ class ResponsesRequest(SampledBody):
     def template_vars(self) -> dict[str, Any]:
         """The chat template's variables: `reasoning.effort`, under chat_template_kwargs."""
         effort = (self.reasoning or {}).get("effort")
-        if effort is not None and effort not in EFFORTS:
-            raise ChatError(f"reasoning.effort must be one of {', '.join(EFFORTS)}, not {effort!r}", param="reasoning")
         return {**({"reasoning_effort": effort} if effort else {}), **(self.chat_template_kwargs or {})}
 
 
@@ -251,6 +248,7 @@ class Responses:
             max_tokens=body.max_output_tokens,
             tools=tools,
             tool_choice=choice,
+            parallel_tool_calls=bool(body.parallel_tool_calls),
             json_schema=schema,
             ignore_eos=body.ignore_eos,
             qos=qos,

@@ -82,7 +82,7 @@ def _mistral_id(given: str) -> str:
 
 HERMES = Dialect(
     "hermes",
-    "Qwen2.5, Qwen3, Hermes 2/3, SmolLM3, Granite 4, MiniMax, Nemotron 3 and templates without tools",
+    "Qwen2.5, Qwen3, Hermes 2 and 3, Granite 4, and templates that know no tools (the embedded SmolLM2's)",
     ("<tool_call>",),
     CallShape('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", separator="\n"),
     (_section("<tool_call>", "</tool_call>"),),
@@ -91,7 +91,7 @@ HERMES = Dialect(
 
 QWEN3_CODER = Dialect(
     "qwen3-coder",
-    "Qwen3-Coder, Qwen3.5 (XML parameters)",
+    "Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, Step 3.5 (a parameter element each)",
     ("<parameter=",),
     CallShape(
         "<tool_call>\n<function=",
@@ -108,7 +108,7 @@ QWEN3_CODER = Dialect(
 
 HARMONY = Dialect(
     "harmony",
-    "gpt-oss (channels: analysis, commentary, final)",
+    "gpt-oss (Harmony: analysis, commentary and final channels)",
     ("<|channel|>analysis", "to=functions."),
     CallShape(" to=functions.", "<|channel|>commentary json<|message|>", "<|call|>", separator="<|start|>assistant"),
     (_section("<|start|>assistant to=", "<|call|>"), _section("<|channel|>commentary to=", "<|call|>")),
@@ -125,7 +125,7 @@ HARMONY = Dialect(
 
 LLAMA3 = Dialect(
     "llama3",
-    "Llama 3.1, 3.2, 3.3 (JSON calls, with or without <|python_tag|>)",
+    "Llama 3.1, 3.2, 3.3 (a JSON call as the whole reply, or after the python tag)",
     ("<|python_tag|>", '"parameters": dictionary'),
     CallShape('{"name": "', '", "parameters": ', "}", separator="; "),
     (_section("<|python_tag|>"), _section("{", leading=True)),
@@ -134,7 +134,7 @@ LLAMA3 = Dialect(
 
 MISTRAL = Dialect(
     "mistral",
-    "Mistral Small 3.2, Devstral, Ministral, Magistral ([TOOL_CALLS]name[ARGS]{...})",
+    "Mistral Small 3.2, Devstral, Ministral 3, Magistral (name and arguments apart)",
     ("[ARGS]",),
     CallShape("[TOOL_CALLS]", "[ARGS]", ""),
     (_section("[TOOL_CALLS]"),),
@@ -144,7 +144,7 @@ MISTRAL = Dialect(
 
 MISTRAL_JSON = Dialect(
     "mistral-json",
-    'Mistral Nemo, Mistral 7B v0.3 ([TOOL_CALLS][{"name": ...}])',
+    "Mistral Nemo, Mistral 7B v0.3 (an array of JSON calls)",
     ("[TOOL_CALLS]",),
     CallShape('{"name": "', '", "arguments": ', "}", section_open="[TOOL_CALLS][", section_close="]", separator=", "),
     (_section("[TOOL_CALLS]"),),
@@ -154,7 +154,7 @@ MISTRAL_JSON = Dialect(
 
 DEEPSEEK = Dialect(
     "deepseek",
-    "DeepSeek V3.1 and R1 (call sections; R1's fenced JSON too)",
+    "DeepSeek V3.1, R1 and its distillations (R1's fenced JSON read too)",
     ("<｜tool▁calls▁begin｜>",),
     CallShape(
         "<｜tool▁call▁begin｜>",
@@ -169,7 +169,7 @@ DEEPSEEK = Dialect(
 
 KIMI = Dialect(
     "kimi",
-    "Kimi K2 (call sections, functions.NAME:index)",
+    "Kimi K2 (calls numbered in a section)",
     ("<|tool_calls_section_begin|>",),
     CallShape(
         "<|tool_call_begin|>functions.",
@@ -183,7 +183,7 @@ KIMI = Dialect(
 
 GLM = Dialect(
     "glm",
-    "GLM-4.5, GLM-4.6 (<arg_key>/<arg_value> on lines of their own)",
+    "GLM-4.5, GLM-4.6, Ling 3.0 (argument keys and values on lines of their own)",
     ("<arg_key>",),
     CallShape(
         "<tool_call>",
@@ -201,7 +201,7 @@ GLM = Dialect(
 GLM47 = replace(
     GLM,
     name="glm-4.7",
-    families="GLM-4.7 (<arg_key>/<arg_value> with no line breaks)",
+    families="GLM-4.7 (argument keys and values with no line breaks)",
     signatures=("</arg_key><arg_value>",),
     shape=replace(
         GLM.shape, name_close="", separator="", param_mid="</arg_key><arg_value>", param_close="</arg_value>"
@@ -210,7 +210,7 @@ GLM47 = replace(
 
 GRANITE = Dialect(
     "granite",
-    "Granite 3.x (<|tool_call|>[...])",
+    "Granite 3.x (an array of JSON calls)",
     ("<|tool_call|>",),
     CallShape('{"name": "', '", "arguments": ', "}", section_open="<|tool_call|>[", section_close="]", separator=", "),
     (_section("<|tool_call|>"),),
@@ -219,7 +219,7 @@ GRANITE = Dialect(
 
 GEMMA = Dialect(
     "gemma",
-    "Gemma 4 (<|tool_call>call:NAME{...}, thought channel)",
+    "Gemma 4 (its own object syntax, a thought channel)",
     ("<|tool_call>",),
     CallShape("<|tool_call>call:", "", "<tool_call|>", arguments="gemma"),
     (_section("<|tool_call>", "<tool_call|>"),),
@@ -255,3 +255,22 @@ def named(name: str) -> Dialect:
         if dialect.name == name:
             return dialect
     raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(NAMES)}")
+
+
+def table() -> str:
+    """The dialects as a Markdown table (docs/dialects.md holds it; a test checks they agree)."""
+    rows = [
+        "| `--tool-call-parser` | families | recognised by the template holding | reasoning "
+        "| a call, as the model writes it |",
+        "|---|---|---|---|---|",
+    ]
+    for d in DIALECTS:
+        signatures = " or ".join(_code(s) for s in d.signatures)
+        reasoning = ", ".join(f"{_code(m.open)}…{_code(m.close)}" for m in d.reasoning)
+        call = _code(d.write([("get_weather", {"city": "Paris"})]).replace("\n", "⏎"))
+        rows.append(f"| `{d.name}` | {d.families} | {signatures} | {reasoning} | {call} |")
+    return "\n".join(rows) + "\n"
+
+
+def _code(text: str) -> str:
+    return "`" + text.replace("|", "\\|") + "`"  # a bare bar would end the table cell

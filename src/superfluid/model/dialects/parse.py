@@ -16,12 +16,17 @@ from typing import Any
 from ..toolcall import ParsedCall, first_object, loads_lenient, parse_tool_call
 from .shape import GEMMA_QUOTE, CallShape
 
+_BETWEEN_CALLS = re.compile(r"[\s,;]*")
+
 
 def json_objects(text: str) -> list[ParsedCall] | None:
-    """Every `{"name": ..., "arguments": ...}` object in `text`, in order; None if one has no name."""
+    """The `{"name": ..., "arguments": ...}` objects that open `text` (after its markers), in order,
+    up to the first text that is not a separator (an array's `]`, say); None if one has no name."""
     calls: list[ParsedCall] = []
     rest = text
     while (start := rest.find("{")) >= 0:
+        if calls and not _BETWEEN_CALLS.fullmatch(rest[:start]):
+            break
         candidate = first_object(rest[start:])
         if candidate is None:
             break
