@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FAMILY_TEMPLATES, TEMPLATES
+from conftest import CITY_FUNCTION, FAMILY_TEMPLATES, TEMPLATES
 
 from superfluid.engine.grammar import Grammar, tool_call_grammar
 from superfluid.engine.llama import LlamaModel
@@ -118,14 +118,7 @@ def test_names_and_errors() -> None:
     assert recognise("{{ messages }}") is None
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = {"type": "function", "function": CITY_FUNCTION}
 # a whole exchange: system, user, an assistant's reasoning and call, the tool's result, the answer and
 # a question after it
 EXCHANGE = [

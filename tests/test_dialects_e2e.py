@@ -12,20 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ENDS_TURN, FAMILY_TEMPLATES, TEMPLATES, HttpDaemon, free_port
+from conftest import CITY_FUNCTION, ENDS_TURN, FAMILY_TEMPLATES, TEMPLATES, HttpDaemon, free_port
 
 from superfluid.model.dialects import named
 
-CITIES = ["Paris", "Oslo", "Lima"]
-PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": CITIES}},
-    "required": ["city"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": PARAMETERS},
-}
+PARAMETERS = CITY_FUNCTION["parameters"]
+CITIES = PARAMETERS["properties"]["city"]["enum"]
+WEATHER = {"type": "function", "function": CITY_FUNCTION}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "seed": 1}
 # room for a call written with markers the embedded model's vocabulary spells in pieces (Kimi's take ~100 tokens)
