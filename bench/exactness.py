@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+from superfluid.engine.interface import ContextShape
+from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.model.resolve import embedded_model
 
 PROMPTS = (

@@ -63,7 +63,8 @@ from startup import startup_figures
 from ui import ui_figures
 
 from superfluid.client import SocketClient
-from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+from superfluid.engine.interface import ContextShape
+from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.metrics import read_metric
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import GenParams, Request, Response

@@ -56,7 +56,8 @@ def test_a_short_copy_moves_through_the_state_at_once_and_equals_a_stream_copy()
     import llama_cpp
     import numpy as np
 
-    from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
+    from superfluid.engine.interface import ContextShape
+    from superfluid.engine.llama import LlamaContext, LlamaModel
     from superfluid.model.resolve import embedded_model
 
     model = LlamaModel(embedded_model().path)
@@ -294,8 +295,9 @@ def test_a_run_of_draws_in_one_engine_call_equals_one_call_per_token() -> None:
     import llama_cpp
     import numpy as np
 
-    from superfluid.engine.llama import ContextShape, LlamaContext, LlamaModel
-    from superfluid.engine.local import Draw, LocalEngine, Step
+    from superfluid.engine.interface import ContextShape, Draw, Step
+    from superfluid.engine.llama import LlamaContext, LlamaModel
+    from superfluid.engine.local import LocalEngine
     from superfluid.model.resolve import embedded_model
 
     model = LlamaModel(embedded_model().path)

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from conftest import HttpDaemon
 
+from superfluid.core.fim import FimError, check_fim, fim_prompt, fim_runtime, missing_markers, repo_context
 from superfluid.engine.llama import LlamaModel
-from superfluid.fim import FimError, check_fim, fim_prompt, fim_runtime, missing_markers, repo_context
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import FIM_PSM, FIM_SPM, QOS_BACKGROUND, QOS_COMPLETION, Request, Response
 
@@ -60,7 +60,7 @@ def test_the_fim_prompt_is_one_layout_for_every_route(monkeypatch: pytest.Monkey
     # input_extra: nothing without chunks; the snippet separator without repo tokens
     assert repo_context(model, []) == []
     assert repo_context(model, [("a.py", "x = 1")]) == _ids("\n\n--- snippet ---\n\n") + _ids("x = 1")
-    monkeypatch.setattr("superfluid.fim.repo_tokens", lambda m: (7, 8))
+    monkeypatch.setattr("superfluid.core.fim.repo_tokens", lambda m: (7, 8))
     assert repo_context(model, [("a.py", "x"), ("b.py", "y")]) == [
         *[7, *_ids("myproject\n")],
         *[8, *_ids("a.py\n"), *_ids("x")],

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from superfluid.bus import Provisional
-from superfluid.generation import HAND_OVER_S, GenerationRun
+from superfluid.core.bus import Provisional
+from superfluid.core.generation import HAND_OVER_S, GenerationRun
 from superfluid.model.channels import ChannelSplitter
 from superfluid.protocol.schema import CHANNEL_TEXT, EventMsg, GenParams
 

@@ -317,10 +317,12 @@ def _hang_up_after(api: HttpDaemon, path: str, body: dict, seconds: float) -> No
 )
 def test_a_non_streaming_client_that_hangs_up_frees_its_lane(api: HttpDaemon, path: str, body: dict) -> None:
     body = {**body, "messages": [{"role": "user", "content": "Write a very long story."}]}
-    clients = [threading.Thread(target=_hang_up_after, args=(api, path, body, 2.0)) for _ in range(4)]
+    clients = [threading.Thread(target=_hang_up_after, args=(api, path, body, 4.0)) for _ in range(4)]
     for client in clients:
         client.start()
-    time.sleep(1.5)
+    started = time.monotonic()
+    while api.metric("superfluid_lanes_active") < 4 and time.monotonic() - started < 3.5:
+        time.sleep(0.05)
     assert api.metric("superfluid_lanes_active") == 4, "the four generations are running"
     for client in clients:
         client.join()

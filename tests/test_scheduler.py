@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
+from fake_engine import VOCAB, FakeEngine, next_of
 
 from superfluid.engine.drafting import Arm
-from superfluid.engine.llama import ContextShape
-from superfluid.engine.local import LocalEngine, Step
 from superfluid.engine.sampling import splitmix64
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import scheduler as scheduler_module
@@ -30,12 +26,7 @@ from superfluid.scheduler.speculate import (
     SpecSettings,
 )
 
-VOCAB = 64
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
-
-
-def _next(held: list[int]) -> int:
-    return 1 + (sum(held) * 31 + len(held)) % (VOCAB - 1)
 
 
 def _noise(held: list[int]) -> int:
@@ -46,90 +37,6 @@ def _noise(held: list[int]) -> int:
 def _cycle(held: list[int]) -> int:
     """A model that repeats the stream's token 7 places back: what prompt lookup drafts well."""
     return held[-7] if len(held) >= 7 else 1 + len(held)
-
-
-class FakeLlama:
-    """A llama.cpp context whose slots hold token lists, checked at every decode: each row's logits pick
-    a pure function of its slot's whole content (`rule`)."""
-
-    def __init__(
-        self, sequences: int, window: int, batch: int, delay: float, rule: object, position_delay: float
-    ) -> None:
-        self.rule = rule
-        self.shape = ContextShape(window, sequences, batch, 1)
-        # token 0 ends a turn; the rules never pick it
-        self.model = SimpleNamespace(end_of_generation=np.eye(1, VOCAB, 0, dtype=bool)[0])
-        self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
-        self.delay, self.position_delay = delay, position_delay
-        self.batches: list[set[int]] = []  # the slots of each decode
-        self.truncate_delay = 0.0
-        self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
-
-    @property
-    def copy_pending(self) -> bool:
-        return bool(self.copying)
-
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
-        time.sleep(self.delay + self.position_delay * len(tokens))
-        self.copying.clear()
-        self.batches.append({int(s) for s in seqs})
-        rows = []
-        for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
-            held = self.slots[int(seq)]
-            assert position == len(held), f"slot {seq} holds {len(held)} positions, decode wrote at {position}"
-            held.append(int(token))
-            if wanted:
-                rows.append(np.eye(1, VOCAB, self.rule(held), dtype=np.float32)[0])  # type: ignore[operator]
-        return np.array(rows, dtype=np.float32).reshape(len(rows), VOCAB)
-
-    def copy(self, source: int, target: int, length: int) -> None:
-        self.slots[target] = list(self.slots[source][:length])
-        self.copying.update((source, target))
-
-    def truncate(self, seq: int, length: int) -> None:
-        time.sleep(self.truncate_delay)
-        del self.slots[seq][length:]
-
-    def export(self, seq: int) -> bytes:
-        assert seq not in self.copying, f"slot {seq} exported before its copy ran"
-        return json.dumps(self.slots[seq]).encode()
-
-    def restore(self, seq: int, data: bytes) -> None:
-        assert seq not in self.copying, f"slot {seq} overwritten before its copy ran"
-        assert not self.slots[seq], "a restore goes into an empty slot"
-        self.slots[seq] = json.loads(data)
-
-    def close(self) -> None:
-        pass
-
-
-class FakeEngine(LocalEngine):
-    """The engine's own step loop (runs, drafts and all) over a `FakeLlama`; it counts its calls.
-
-    `delay` is a decode's fixed cost, `position_delay` what each position of its batch adds."""
-
-    def __init__(
-        self,
-        sequences: int,
-        window: int = 256,
-        batch: int = 512,
-        delay: float = 0.0,
-        model: object = _next,
-        position_delay: float = 0.0,
-    ) -> None:
-        super().__init__(FakeLlama(sequences, window, batch, delay, model, position_delay))  # type: ignore[arg-type]
-        self.llama: FakeLlama = self.context  # type: ignore[assignment]
-        self.calls = 0
-
-    def step(self, step: Step) -> list[list[int]]:
-        self.calls += 1
-        return super().step(step)
-
-    def restart(self) -> None:
-        pass
-
-    def abandon_restart(self) -> None:
-        pass
 
 
 class Collect:
@@ -467,7 +374,7 @@ def generate_on(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int,
 
 def test_drafts_verified_in_the_decode_give_the_tokens_of_plain_decoding() -> None:
     prompts = [[3, 9, 4, 7, 1, 5, 2, 3, 9, 4], [8, 6, 2, 5, 11, 13, 8, 6]]
-    for model in (_cycle, _next, _noise):
+    for model in (_cycle, next_of, _noise):
         plain = generate_on(
             Scheduler(FakeEngine(sequences=4, window=512, model=model), lanes=2, window=512), prompts, 60
         )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from superfluid.api.logprobs import LogprobText
 from superfluid.engine import wire
 from superfluid.engine.drafting import Arm
-from superfluid.engine.local import Draw, Step
+from superfluid.engine.interface import Draw, Step
 from superfluid.engine.shaping import LogprobRow, Shaper, Shaping, log_softmax_row
-from superfluid.logprobs import LogprobText
 from superfluid.protocol.schema import GenParams
 
 NO_EOG = np.zeros(8, dtype=bool)

@@ -1,5 +1,5 @@
 """`python -m superfluid` is the `superfluid` command."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

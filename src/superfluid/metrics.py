@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .engine.channel import WorkerEngine
+from .engine.worker_client import WorkerEngine
 from .protocol.schema import QOS_NAMES
-from .scheduler.scheduler import TIERS
+from .scheduler.stats import TIERS
 
 QUEUE_LABELS = ("interactive_chat", "inline_completion", "foreground_agent", "background_agent")
 
@@ -66,15 +66,21 @@ class _SchedulerCollector(Collector):
             ("resumes", "resumes", "Prefixes imported back from the park"),
             ("park_refused", "refused", "Parked files that failed a check, deleted"),
         ):
-            yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.park, f) if s.park else 0)
+            yield family(
+                CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.tiers.park, f) if s.tiers.park else 0
+            )
         for name, doc, value in (
             ("lanes_active", "Lanes running a job", lambda s: s.stats.lanes_active),
             ("lanes_total", "Lanes (--max-batch)", lambda s: s.max_lanes),
-            ("cache_entries", "Idle KV entries held for reuse", lambda s: len(s.cache)),
-            ("host_cache_bytes", "Bytes of exported prefixes", lambda s: s.cache.host.bytes),
-            ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.cache.host.budget),
-            ("park_bytes", "Bytes of parked KV states on disk", lambda s: s.park.bytes if s.park else 0),
-            ("park_budget_bytes", "--park-budget-gb in bytes (0: unbounded)", lambda s: s.park.budget if s.park else 0),
+            ("cache_entries", "Idle KV entries held for reuse", lambda s: len(s.tiers.cache)),
+            ("host_cache_bytes", "Bytes of exported prefixes", lambda s: s.tiers.cache.host.bytes),
+            ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.tiers.cache.host.budget),
+            ("park_bytes", "Bytes of parked KV states on disk", lambda s: s.tiers.park.bytes if s.tiers.park else 0),
+            (
+                "park_budget_bytes",
+                "--park-budget-gb in bytes (0: unbounded)",
+                lambda s: s.tiers.park.budget if s.tiers.park else 0,
+            ),
             ("kv_slots", "KV slots (lanes and idle entries)", lambda s: s.engine.shape.sequences),
             ("kv_slot_tokens", "Tokens per KV slot (--max-context)", lambda s: s.engine.shape.window),
             ("kv_tokens", "Tokens whose KV the slots hold, lanes' and idle entries'", lambda s: s.kv_tokens()),

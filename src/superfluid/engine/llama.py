@@ -20,13 +20,13 @@ import functools
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
 from . import build  # noqa: F401  (imported for its effect: llama.cpp's batch-dependent kernels off)
+from .interface import ContextShape, EngineError, KVFull
 
 log = logging.getLogger("superfluid.engine")
 
@@ -62,14 +62,6 @@ def _backend_init() -> None:
             L.llama_log_set(_LOG_CALLBACK, None)
             L.llama_backend_init()
             _initialised = True
-
-
-class EngineError(RuntimeError):
-    """llama.cpp refused an operation."""
-
-
-class KVFull(EngineError):
-    """The KV pool has no room for the batch."""
 
 
 class LlamaModel:
@@ -207,21 +199,6 @@ def logit_skew(n_vocab: int) -> np.ndarray | None:
 # A copy through the sequence state costs about 0.05 ms a token, a stream copy about 0.003 ms
 # a window cell (bench/copies.py): below window / 16 tokens the state is the cheaper way.
 SHORT_COPY_DIVISOR = 16
-
-
-@dataclass(frozen=True)
-class ContextShape:
-    """How a context is sized: tokens per sequence slot, slots, batch size, threads."""
-
-    window: int
-    sequences: int
-    batch: int
-    threads: int
-    flash_attention: bool = False  # off: bench/exactness.py --flash-attn and the engine bench say why
-
-    @property
-    def pool_tokens(self) -> int:
-        return self.window * self.sequences
 
 
 class LlamaContext:

@@ -1,23 +1,17 @@
-"""The engine as the scheduler drives it: a batch of token ids in, a sampled token per lane out.
+"""`LocalEngine`: the `Engine` (`interface.py`) with llama.cpp in this process.
 
-A `Step` is one llama_decode: token ids, positions and sequence ids, and for each lane
-whose last token it carries, a `Draw` saying how to pick the next token (sampling
-parameters, the stream position its random draw is keyed by, whether end-of-generation is
-banned, the handles of its grammar, its `Shaping` and its drafter, and how many decodes and
-tokens it may take: a lane whose run is longer than one decodes its drawn token at once, in
-a batch of the lanes still running, and draws again, so a few tokens cost one call).
-`LocalEngine` runs steps in this process: decode, then sample each wanted row, shaped (bias,
-penalties) and masked by the lane's grammar, which then accepts the token; a lane whose
-shaping asks for log probabilities gets them back in the step's `logprobs`.
+It runs steps: decode, then sample each wanted row, shaped (bias, penalties) and masked by
+the lane's grammar, which then accepts the token; a lane whose shaping asks for log
+probabilities gets them back in the step's `logprobs`.
 
 A lane with a drafter (`drafting.py`) may carry a draft into each of its decodes: the tokens
 prompt lookup expects next, one position each, right after its input. Each drafted position's
 row is drawn as the lane would draw it anyway (the same sampler, the same position-keyed
 draw), the draft stands up to the first token that differs from what was drawn before it, and
 the lane's KV loses the rest; so drafts change the number of decodes, never a token.
-The worker process (`worker.py`) serves the same calls over its channel (`channel.py`), so
-the scheduler never knows which one it drives. `embed` pools one input on a second context,
-called by the HTTP routes from their own threads, never by the scheduler.
+The worker process (`worker.py`) serves the same calls over its channel, so the scheduler
+never knows which one it drives. `embed` pools one input on a second context, called by the
+HTTP routes from their own threads, never by the scheduler.
 """
 
 from __future__ import annotations
@@ -25,119 +19,19 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
-from ..protocol.schema import GenParams
 from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
-from .llama import ContextShape, EmbeddingContext, EngineError, KVFull, LlamaContext
+from .interface import Draw, EngineError, KVFull, Step
+from .llama import EmbeddingContext, LlamaContext
 from .sampling import sample
-from .shaping import LogprobRow, Shaper, Shaping, log_softmax_row
+from .shaping import Shaper, Shaping, log_softmax_row
 
 T = TypeVar("T")
-
-
-class WorkerGone(EngineError):
-    """The process that ran the engine died; the text says how (its exit status or signal)."""
-
-
-@dataclass(frozen=True)
-class Draw:
-    """How to pick one lane's next tokens."""
-
-    params: GenParams
-    position: int  # the stream position of the token drawn: its random draw is keyed by it
-    ignore_eos: bool = False
-    grammar: int = 0  # an `open_grammar` handle; 0 for none
-    shaping: int = 0  # an `open_shaping` handle; 0 for none
-    run: int = 1  # decodes it may take part in during this call (a time budget); an end of generation stops it
-    limit: int = 1  # tokens it may draw in this call (its max_tokens and the window): drafts never pass it
-    drafter: int = 0  # an `open_drafter` handle; 0 for none. The drafter sees every input of the lane
-    draft: int = 0  # the longest draft each decode may carry; 0 for none
-    adaptive: bool = True  # drafts as long as pays (`drafting.plan`), else always the longest there is
-
-
-@dataclass
-class Step:
-    """One decode: a row of logits is wanted where `want` is 1, one `Draw` per such row, in order.
-
-    The engine fills `logprobs` (by draw index) for the draws whose shaping asks for them (a
-    draw that asks for them runs one token), `spec` (by draw index: tokens drafted and those
-    that stood) for the draws that drafted, `decodes`, the llama_decode calls it made, and
-    `first_decode_s`, the time of the decode of the step's own batch (what the runs after it
-    take is not in it).
-
-    A step that `probe`s is a trial of drafting (`--speculate auto`): of its decodes where drafts
-    are planned, one in `PLAIN_EVERY` goes without them, and `drafted` and `plain` sum up the
-    two arms, so the gate compares drafts with none where the engine would draft.
-    """
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    seqs: np.ndarray
-    want: np.ndarray
-    draws: list[Draw]
-    logprobs: dict[int, LogprobRow] = field(default_factory=dict)
-    spec: dict[int, tuple[int, int]] = field(default_factory=dict)
-    probe: bool = False
-    decodes: int = 0
-    first_decode_s: float = 0.0
-    drafted: Arm = field(default_factory=Arm)
-    plain: Arm = field(default_factory=Arm)
-
-
-class Engine(Protocol):
-    """What the scheduler needs of llama.cpp: steps, KV slots and grammars.
-
-    Any call may raise `KVFull` (no room for a step or a restore), `EngineError`, or
-    `WorkerGone` when the engine runs in a worker that died; `restart` then starts another.
-    """
-
-    shape: ContextShape
-    end_of_generation: np.ndarray  # by token id: True for the tokens that end a turn
-
-    @property
-    def copy_pending(self) -> bool: ...
-
-    def step(self, step: Step) -> list[list[int]]:
-        """The tokens each draw drew, in order: one, or up to its `limit` over up to `run` decodes."""
-        ...
-
-    def copy(self, source: int, target: int, length: int) -> None: ...
-
-    def truncate(self, seq: int, length: int) -> None: ...
-
-    def export(self, seq: int) -> bytes: ...
-
-    def restore(self, seq: int, data: bytes) -> None: ...
-
-    def open_grammar(self, gbnf: str) -> int: ...
-
-    def close_grammar(self, handle: int) -> None: ...
-
-    def embed(self, tokens: list[int]) -> np.ndarray:
-        """The pooled embedding of one input (n_embd float32s), from a context of its own: the lanes'
-        KV is untouched. It may be called from another thread than the steps'."""
-        ...
-
-    def open_shaping(self, shaping: Shaping, recent: list[int]) -> int: ...
-
-    def close_shaping(self, handle: int) -> None: ...
-
-    def open_drafter(self, stream: list[int]) -> int:
-        """A drafter for one lane whose KV holds `stream`; it follows the lane's inputs from there."""
-        ...
-
-    def close_drafter(self, handle: int) -> None: ...
-
-    def restart(self) -> None: ...
-
-    def abandon_restart(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class LocalEngine:

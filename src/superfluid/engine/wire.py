@@ -26,7 +26,7 @@ import numpy as np
 
 from ..protocol.schema import GenParams
 from .drafting import Arm
-from .local import Draw, Step
+from .interface import Draw, Step
 from .shaping import MAX_TOP_LOGPROBS, LogprobRow, Shaping
 
 # request kinds (daemon -> worker)

@@ -22,7 +22,8 @@ import numpy as np
 
 from . import wire
 from .grammar import GrammarError
-from .llama import ContextShape, EngineError, KVFull, LlamaContext, LlamaModel
+from .interface import ContextShape, EngineError, KVFull
+from .llama import LlamaContext, LlamaModel
 from .local import LocalEngine
 
 

@@ -33,8 +33,6 @@ in one transaction.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import logging
 import threading
@@ -46,8 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from ..engine.grammar import GrammarError
-from ..engine.llama import EngineError, KVFull
-from ..engine.local import Draw, Engine, Step, WorkerGone
+from ..engine.interface import Draw, Engine, EngineError, KVFull, Step, WorkerGone
 from ..engine.shaping import REPEAT_WINDOW, LogprobRow, Shaping
 from ..protocol.schema import (
     FINISH_CANCELLED,
@@ -61,20 +58,18 @@ from ..protocol.schema import (
     QOS_COMPLETION,
     GenParams,
 )
+from .kv_tiers import KVTiers
 from .park import Park
-from .prefix_cache import PrefixCache, Seed, common_prefix
+from .prefix_cache import common_prefix
 from .speculate import SpecGate, SpecSettings
+from .stats import QOS_CLASSES, TIERS, SchedulerStats
 
 log = logging.getLogger("superfluid.scheduler")
 
-QOS_CLASSES = 4
-TIERS = ("slot", "host", "park", "cold")  # where an admitted job's prefix came from, fastest first
 STARVATION_STEPS = 64
 HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this long is worth waiting for
 SHORT_PREFILL = 256  # a job with at most this much prompt left to prefill is short: it never waits for long ones
 LONG_PREFILL = 1024  # a lane with more than this left to prefill gives its lane to a short job
-EXPORT_MIN_TOKENS = 32  # shorter idle entries are dropped, not exported
-MIN_COPY_TOKENS = 8  # a slot copy (7-25 ms, by window) costs about as much as prefilling this many tokens
 BUSY_TICK_S = 0.25  # tick length while every lane is busy
 # A step's work: what an interactive arrival may have to wait for. Prefill chunks of 16-32
 # tokens run 10-15% slower than chunks of 64-256 (the weights are read once a step), so steps
@@ -85,7 +80,6 @@ URGENT_WINDOW_S = 300.0
 MIN_PREFILL = 16
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is parked this often
-CALIBRATION_TOKENS = 32  # the probe measuring prefill and import rates before the first job (run twice: a warm-up)
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
 # and this loop are paid once), as long as nobody waits for admission, up to this long: an
@@ -97,11 +91,6 @@ MAX_RUN = 8
 def _smoothed(average: float, sample: float) -> float:
     """A moving average that follows the last few dozen samples; the first sample starts it."""
     return sample if average == 0.0 else 0.9 * average + 0.1 * sample
-
-
-def _runs(slots: set[int]) -> int:
-    """How many runs of consecutive numbers `slots` makes."""
-    return sum(1 for s in slots if s - 1 not in slots)
 
 
 class JobSink(Protocol):
@@ -161,33 +150,6 @@ class Lane:
         return len(self.feed) == 1 and self.job.generated > 0
 
 
-@dataclass
-class SchedulerStats:
-    """Counters the metrics endpoint reads."""
-
-    ticks: int = 0
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    warm_prefix_tokens: int = 0
-    cold_admissions: int = 0
-    tier_hits: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # first admissions, by `TIERS`
-    spec_proposed: int = 0  # drafted tokens put into decodes
-    spec_accepted: int = 0  # of them, those the lanes would have drawn anyway
-    preemptions: int = 0
-    held_for_prefix: int = 0
-    evictions: int = 0
-    exports: int = 0
-    imports: int = 0
-    respawns: int = 0
-    queue_depth: list[int] = field(default_factory=lambda: [0] * QOS_CLASSES)
-    lanes_active: int = 0
-    tick_in_flight: bool = False
-    decode_tokens_per_second: float = 0.0  # smoothed over the steps that only decode
-    prefill_tokens_per_second: float = 0.0  # smoothed over the steps that prefill
-    last_ttft_seconds: float | None = None  # submission to first token, of the last job to get one
-
-
 class _Quiet:
     """The sink of a prefill-only job: nothing to deliver."""
 
@@ -222,12 +184,10 @@ class Scheduler:
         self.tick_s = tick_ms / 1000.0
         self.on_tick = on_tick
         self.now_ms = now_ms
-        self.park = park
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
         self.gate = SpecGate(speculation.min_speedup) if self.speculation and self.speculation.mode == "auto" else None
-        self.cache = PrefixCache(host_cache_bytes, park.put if park is not None else lambda tokens, state: None)
-        self._read_cost = 0.0  # seconds per parked byte read and imported, measured on each resume
         self.stats = SchedulerStats()
+        self.tiers = KVTiers(engine, self.stats, host_cache_bytes=host_cache_bytes, park=park, now_ms=now_ms)
         self.lanes: list[Lane] = []
         self.background_divisor = 1
         self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
@@ -237,7 +197,6 @@ class Scheduler:
         self._queue: list[Job] = []
         self._order = itertools.count()
         self._admissions = itertools.count()
-        self._free_seqs = list(range(engine.shape.sequences - 1, -1, -1))
         self._cv = threading.Condition()
         self._stopping = False
         self._worker_gone = False
@@ -262,12 +221,12 @@ class Scheduler:
         for job in waiting:
             self._finish(job, FINISH_ERROR, f"generation failed: {why}")
         self.on_tick()  # what the failed jobs leave is committed
-        if self.park is not None and not self._worker_gone:
+        if self.tiers.park is not None and not self._worker_gone:
             try:
-                self._park_idle()
+                self.tiers.park_idle()
             except EngineError as e:  # a worker that died meanwhile took its KV along
                 log.warning("parking at stop failed: %s", e)
-            self.park.flush()
+            self.tiers.park.flush()
 
     def queued(self) -> int:
         """Jobs waiting for a lane."""
@@ -301,12 +260,12 @@ class Scheduler:
     def kv_tokens(self) -> int:
         """Tokens whose KV the slots hold: the running lanes' and the idle entries' (a snapshot: the lists
         are copied whole, under the GIL, before they are read)."""
-        lanes, entries = list(self.lanes), list(self.cache.entries.values())
+        lanes, entries = list(self.lanes), list(self.tiers.cache.entries.values())
         return sum(len(lane.held) for lane in lanes) + sum(len(entry.tokens) for entry in entries)
 
     def pin(self, tokens: list[int], until_ms: int) -> None:
         with self._cv:
-            self.cache.pin(np.asarray(tokens, dtype=np.int32), until_ms)
+            self.tiers.pin(tokens, until_ms)
 
     # ---- the scheduler thread ----
 
@@ -317,7 +276,7 @@ class Scheduler:
             self._cv.notify()
 
     def _run(self) -> None:
-        if self.park is not None:
+        if self.tiers.park is not None:
             self._calibrate()
         parked = False  # the idle entries were parked since the last tick
         parked_at = time.monotonic()
@@ -325,10 +284,10 @@ class Scheduler:
             chore: Callable[[], None] | None = None
             with self._cv:
                 while not self._stopping and not self.lanes and not self._queue and not self._worker_gone:
-                    if self._slot_to_free() is not None:
-                        chore = self._free_a_slot
+                    if self.tiers.slot_to_free() is not None:
+                        chore = self.tiers.free_a_slot
                         break
-                    if self.park is None or parked:
+                    if self.tiers.park is None or parked:
                         self._cv.wait()
                     elif not self._cv.wait(PARK_AFTER_IDLE_S):
                         chore = self._park_idle
@@ -353,7 +312,7 @@ class Scheduler:
             self.stats.ticks += 1
             self.stats.tick_in_flight = False
             self.on_tick()
-            if self.park is not None and time.monotonic() - parked_at >= PARK_BUSY_EVERY_S:
+            if self.tiers.park is not None and time.monotonic() - parked_at >= PARK_BUSY_EVERY_S:
                 # a daemon that is never idle parks too, a little at a time
                 self._idle_chore(lambda: self._park_idle(limit=1))
                 parked_at = time.monotonic()
@@ -368,21 +327,18 @@ class Scheduler:
         except Exception:
             log.exception("housekeeping between ticks failed")
 
-    def _slot_to_free(self) -> int | None:
-        """With every slot taken, the least valuable unpinned idle entry's, when host memory or the
-        park can keep it: exporting it costs tens of milliseconds, better spent while nothing runs
-        than by the next arrival. With neither, entries stay until a job needs their slot (and knows
-        which entry it must not lose)."""
-        if self._free_seqs or self.engine.copy_pending or not (self.cache.host.budget or self.park is not None):
-            return None  # a copy still pending moves its slots at the next decode: nothing is exported before
-        now = self.now_ms()
-        victim = self.cache.victim(now)
-        return None if victim is None or self.cache.entries[victim].pinned(now) else victim
+    def _park_idle(self, limit: int | None = None) -> None:
+        """Idle entries to the park, until a job arrives."""
+        self.tiers.park_idle(limit, interrupted=lambda: bool(self._queue) and not self._stopping)
 
-    def _free_a_slot(self) -> None:
-        victim = self._slot_to_free()
-        if victim is not None:
-            self._evict_slot(victim)
+    def _calibrate(self) -> None:
+        """The park's rates, before the first job; a job already waiting goes first (its resumes measure them)."""
+        with self._cv:
+            if self._queue:
+                return
+        cost = self.tiers.calibrate()
+        if cost is not None:
+            self._token_cost = cost
 
     def _recover(self, why: str) -> None:
         """The worker died: every generation it held ends with finish 5, its slots are empty, a new one starts."""
@@ -397,8 +353,7 @@ class Scheduler:
         self.stats.lanes_active = 0
         for job in cut:
             self._finish(job, FINISH_ERROR, f"generation failed: {why}")
-        self.cache.entries.clear()
-        self._free_seqs = list(range(self.engine.shape.sequences - 1, -1, -1))
+        self.tiers.reset()
         while not self._stopping:
             try:
                 self.engine.restart()
@@ -519,7 +474,7 @@ class Scheduler:
             return False  # no room either way: spare the prefix lookup, this runs every step while lanes are full
         tokens = np.asarray(job.tokens, dtype=np.int32)
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        seed = self.cache.lookup(tokens, running, self.now_ms())
+        seed = self.tiers.cache.lookup(tokens, running, self.now_ms())
         if len(tokens) - (seed.length if seed else 0) > SHORT_PREFILL:
             return False
         if spare:
@@ -533,7 +488,7 @@ class Scheduler:
         self.lanes.remove(lane)
         if not job.prefill_only:  # a warm-up never feeds its last token; its tokens stay as they are
             job.tokens = lane.held + lane.feed
-        self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
+        self.tiers.keep(lane.seq, lane.held)
         with self._cv:
             job.order = -next(self._order)  # ahead of everything else in its class
             job.queued_at = self.stats.steps
@@ -544,53 +499,21 @@ class Scheduler:
     def _seed(self, job: Job) -> Lane:
         tokens = np.asarray(job.tokens, dtype=np.int32)
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        now = self.now_ms()
-        seed = self.cache.lookup(tokens, running, now)
-        if seed is not None and not seed.take and seed.length < MIN_COPY_TOKENS:
-            seed = None  # copying a whole slot costs more than prefilling a few tokens
-        hosted = self.cache.host.lookup(tokens, len(tokens) - 1)
-        warm = seed.length if seed else 0
-        resumed = self._resume(tokens, max(warm, hosted[1] if hosted else 0))
-        if resumed is not None:
-            seq, length = resumed
-            source, tier = f"{length} warm from the park", "park"
-        elif hosted is not None and hosted[1] > warm + EXPORT_MIN_TOKENS:
-            entry, length = hosted
-            seq = self._import(entry.state, length)
-            self.stats.imports += 1
-            source, tier = f"{length} warm from host memory", "host"
-        else:
-            starved = not self._free_seqs and seed is not None and self.cache.victim(now, spare=seed.seq) is None
-            if seed is not None and not seed.take and starved:
-                # the entry to copy from is the only one left to evict: take it over instead
-                seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
-            if seed is not None and seed.take and self._scatters(seed.seq) and seed.length >= MIN_COPY_TOKENS:
-                seed = Seed(seed.seq, seed.length, take=False)  # copy it next to the running lanes instead
-            if seed is not None and seed.take:
-                seq = seed.seq
-                self.cache.remove(seq)
-                self.engine.truncate(seq, seed.length)
-            else:
-                seq = self._free_seq(spare=seed.seq if seed is not None else None)
-                if seed is not None:
-                    self.engine.copy(seed.seq, seq, seed.length)
-                    self.cache.touch(seed.seq)
-            length = seed.length if seed is not None else 0
-            source, tier = ("cold", "cold") if seed is None else (f"{length} warm from slot {seed.seq}", "slot")
+        place = self.tiers.place(tokens, running, self._token_cost)
+        seq, length = place.seq, place.length
         try:
             self._open_sampling(job)
         except WorkerGone:
             raise
         except EngineError:
-            self._free_seqs.append(seq)
-            self.engine.truncate(seq, 0)
+            self.tiers.drop(seq)
             raise
-        log.debug("admit %d tokens (class %d) on slot %d: %s", len(tokens), job.qos, seq, source)
+        log.debug("admit %d tokens (class %d) on slot %d: %s", len(tokens), job.qos, seq, place.source)
         if not job.admitted:
             job.warm_prefix = length
             self.stats.warm_prefix_tokens += length
             self.stats.cold_admissions += length == 0
-            self.stats.tier_hits[TIERS.index(tier)] += 1
+            self.stats.tier_hits[TIERS.index(place.tier)] += 1
             job.admitted = True
         feed = list(job.tokens[length:])
         if job.prefill_only:
@@ -609,165 +532,6 @@ class Scheduler:
             job.shaping_handle = self.engine.open_shaping(job.shaping, job.tokens[-REPEAT_WINDOW:])
         if not job.drafter_handle and self._may_draft(job):
             job.drafter_handle = self.engine.open_drafter(job.tokens)
-
-    def _slot_cost(self, slot: int, running: set[int], now: int) -> tuple[int, int, bool, bool, float]:
-        """Lower is better: keeps lanes consecutive, then spares idle entries (pinned ones most, then
-        those that would need an export, then recent ones)."""
-        entry = self.cache.entries.get(slot)
-        if entry is None:
-            return (_runs(running | {slot}), 0, False, False, 0.0)
-        return (_runs(running | {slot}), 1, entry.pinned(now), not self._saved(entry.tokens), entry.last_used)
-
-    def _scatters(self, slot: int) -> bool:
-        """True when a lane on `slot` would break the running lanes' run that another slot would not."""
-        running = {lane.seq for lane in self.lanes}
-        if not running:
-            return False
-        others = [s for s in [*self._free_seqs, *self.cache.entries] if s != slot]
-        return bool(others) and _runs(running | {slot}) > min(_runs(running | {s}) for s in others)
-
-    def _free_seq(self, spare: int | None = None) -> int:
-        """A slot for a new lane: a free one, or an idle entry's (never `spare`) moved out.
-
-        llama.cpp decodes sequences with consecutive ids in one pass and splits the rest, so
-        the slot is chosen to keep the running lanes consecutive.
-        """
-        running = {lane.seq for lane in self.lanes}
-        now = self.now_ms()
-        candidates = [*self._free_seqs, *(seq for seq in self.cache.entries if seq != spare)]
-        if not candidates:
-            raise EngineError("every sequence slot is in use")
-        slot = min(candidates, key=lambda s: self._slot_cost(s, running, now))
-        if slot in self.cache.entries:
-            self._evict_slot(slot)
-        self._free_seqs.remove(slot)
-        return slot
-
-    def _evict(self, spare: int | None = None) -> bool:
-        """Move the least valuable idle entry out of its slot; False when there is none."""
-        victim = self.cache.victim(self.now_ms(), spare=spare)
-        if victim is None:
-            return False
-        self._evict_slot(victim)
-        return True
-
-    def _saved(self, tokens: np.ndarray) -> bool:
-        """True when the park already holds these tokens' state: their slot can go without an export."""
-        return self.park is not None and self.park.holds(tokens)
-
-    def _evict_slot(self, victim: int) -> None:
-        """Empty an idle entry's slot, exporting the entry to host memory when it is worth it (an
-        export takes the engine for tens of milliseconds, while someone waits for the slot: an entry
-        the park holds is not exported again)."""
-        entry = self.cache.entries[victim]
-        worth = len(entry.tokens) >= EXPORT_MIN_TOKENS and (self.cache.host.budget or self.park is not None)
-        if worth and not self._saved(entry.tokens):
-            # host memory first; the park takes what it cannot keep, on its own thread (an export that
-            # fails leaves the entry where it was)
-            self.cache.host.add(entry.tokens, self.engine.export(victim))
-            if self.cache.host.budget:
-                self.stats.exports += 1
-        self.cache.remove(victim)
-        self.engine.truncate(victim, 0)
-        self._free_seqs.append(victim)
-        self.stats.evictions += 1
-
-    def _import(self, state: bytes, length: int) -> int:
-        """A free slot holding the first `length` tokens of an exported state."""
-        seq = self._free_seq()
-        self.engine.restore(seq, state)
-        self.engine.truncate(seq, length)
-        return seq
-
-    def _park_idle(self, limit: int | None = None) -> None:
-        """Hand the idle entries (at most `limit` of them) and host memory's not parked yet to the
-        park; where they are keeps them too. An export takes the engine for a while, so a job that
-        arrives meanwhile stops the slots' exports: the rest are parked at the next idle moment."""
-        assert self.park is not None
-        unparked = [
-            entry
-            for entry in self.cache.entries.values()
-            if len(entry.tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(entry.tokens)
-        ]
-        for entry in unparked[:limit]:
-            if self._queue and not self._stopping:
-                break
-            self.park.put(entry.tokens, self.engine.export(entry.seq))
-        for hosted in list(self.cache.host.entries.values()):
-            self.park.put(hosted.tokens, hosted.state)
-
-    def _calibrate(self) -> None:
-        """Measure, before the first job, what choosing between the park and a prefill rests on:
-        the seconds a prefilled token costs and those a byte of parked state costs to check and import.
-        A job already waiting goes first: the first resumes measure the rates then."""
-        with self._cv:
-            if self._queue:
-                return
-        first, second = self._free_seqs.pop(), self._free_seqs.pop()
-        probe = np.arange(100, 100 + CALIBRATION_TOKENS, dtype=np.int32)
-        positions = np.arange(len(probe), dtype=np.int32)
-
-        def prefill_into(seq: int) -> float:
-            started = time.perf_counter()
-            seqs = np.full(len(probe), seq, dtype=np.int32)
-            self.engine.step(Step(probe, positions, seqs, np.zeros(len(probe), dtype=np.int8), []))
-            return time.perf_counter() - started
-
-        try:
-            prefill_into(second)  # a context's first decode also sets up its buffers: not a rate
-            self.engine.truncate(second, 0)
-            prefill = prefill_into(first)
-            state = self.engine.export(first)
-            started = time.perf_counter()
-            hashlib.blake2b(state, digest_size=16).digest()  # a parked file's check
-            self.engine.restore(second, state)
-            imported = time.perf_counter() - started
-        except Exception as e:  # WorkerGone included: the first tick recovers the worker
-            log.warning("the park's rates could not be measured (%s): the first resumes measure them", e)
-            return
-        finally:
-            for seq in (first, second):  # what the probe left in them goes before they are lent out
-                with contextlib.suppress(Exception):
-                    self.engine.truncate(seq, 0)
-            self._free_seqs += [second, first]
-        self._token_cost = prefill / len(probe)
-        self._read_cost = imported / max(1, len(state))
-        log.info(
-            "this machine prefills %.0f tokens/s and imports parked states at %.0f tokens/s (%.0f MB/s): "
-            "a parked prefix is read back when that is quicker than prefilling it",
-            len(probe) / prefill,
-            len(probe) / imported,
-            len(state) / imported / 1e6,
-        )
-
-    def _resume(self, tokens: np.ndarray, better_than: int) -> tuple[int, int] | None:
-        """A slot holding a parked prefix of `tokens` longer than `better_than` by enough to beat
-        prefilling the difference, and that prefix's length; None when no parked entry pays."""
-        if self.park is None:
-            return None
-        found = self.park.lookup(tokens, len(tokens) - 1)
-        if found is None or found[1] <= better_than + EXPORT_MIN_TOKENS:
-            return None
-        entry, length = found
-        if self._read_cost and entry.size * self._read_cost >= (length - better_than) * self._token_cost:
-            return None  # reading it would take longer than prefilling it
-        started = time.perf_counter()
-        state = self.park.read(entry)
-        if state is None:
-            return None
-        seq = self._import(state, length)
-        took = time.perf_counter() - started
-        self._read_cost = took / max(1, entry.size)
-        log.info(
-            "resumed %d tokens from the park in %.0f ms (%.0f MB/s); prefilling them would take about %.1f s",
-            length,
-            took * 1000,
-            entry.size / took / 1e6,
-            length * self._token_cost,
-        )
-        return seq, length
-
-    # ---- a step ----
 
     def _step(self) -> bool:
         """One decode over every lane that runs this step; returns True when the tick should end."""
@@ -823,7 +587,7 @@ class Scheduler:
                     log.debug("step: %d tokens over %d lanes in %.0f ms", len(tokens), len(plan), took * 1000)
                 break
             except KVFull:
-                if self._evict():
+                if self.tiers.evict():
                     continue
                 return self._shed(plan)
             except WorkerGone:
@@ -994,10 +758,9 @@ class Scheduler:
     def _retire(self, lane: Lane, finish: int, error: str | None = None, *, keep: bool = True) -> None:
         self.lanes.remove(lane)
         if keep and lane.held:
-            self.cache.add(lane.seq, np.asarray(lane.held, dtype=np.int32), self.now_ms())
+            self.tiers.keep(lane.seq, lane.held)
         else:
-            self.engine.truncate(lane.seq, 0)
-            self._free_seqs.append(lane.seq)
+            self.tiers.drop(lane.seq)
         self.stats.lanes_active = len(self.lanes)
         self._finish(lane.job, finish, error)
 

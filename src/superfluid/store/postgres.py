@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..protocol.schema import EventBody, EventMsg
+from .errors import StoreError
 from .leases import LEASES_SCHEMA, Leases, LeaseTiming
 from .log import Parent, Pin, Record, Rerooted, event_row, lineage_filter, move_lineage, sequenced
 
@@ -74,10 +75,6 @@ _LINEAGE_SQL = {
     Pin: "UPDATE lineage SET pin_deadline_unix_ms = %(deadline_unix_ms)s WHERE session = %(session)s",
 }
 _SELECT = "SELECT session, event_id, epoch, ts_unix_ms, body, seq FROM events"
-
-
-class StoreError(RuntimeError):
-    """The PostgreSQL store did not answer in time, or refused a statement; nothing was written."""
 
 
 class PostgresLog:

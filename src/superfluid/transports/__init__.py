@@ -1,1 +1,1 @@
-"""How clients reach the daemon: the unix socket, and HTTP/WebSocket with --web."""
+"""How clients reach the daemon: the unix socket, the HTTP listener, the browser's JSON and WebSocket, and who may."""

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..api import anthropic_errors
 from ..protocol.schema import QOS_AGENT, qos_class
-from ..ratelimit import TokenBucket, retry_after_header
-from . import anthropic_errors
+from .ratelimit import TokenBucket, retry_after_header
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -12,11 +12,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from ..bus import END_UNSUBSCRIBED, SubEnded, Subscription
-from ..daemon import REFUSED, Daemon, Generation, refusal
-from ..generation import Committed, Done
+from ..core.bus import END_UNSUBSCRIBED, SubEnded, Subscription
+from ..core.daemon import REFUSED, Daemon, Generation, refusal
+from ..core.generation import Committed, Done
 from ..protocol.schema import Request, Response
-from ..ratelimit import TokenBucket, retry_after_ms
+from .ratelimit import TokenBucket, retry_after_ms
 
 log = logging.getLogger("superfluid.transport")
 

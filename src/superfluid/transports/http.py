@@ -17,11 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from ..daemon import Daemon
-from . import anthropic, anthropic_errors, embeddings, infill, models, ollama, openai, responses, status
+from ..api import anthropic, anthropic_errors, embeddings, infill, models, ollama, openai, responses, status
+from ..api.chat_http import HttpPolicy
+from ..core.daemon import Daemon
 from .access import AccessGate, Key
 from .addresses import split_address
-from .chat_http import HttpPolicy
 from .listener import HttpListener
 
 BODY_LIMIT = 100 << 20

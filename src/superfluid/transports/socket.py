@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from ..config import MAX_FRAME
-from ..daemon import Daemon
+from ..core.daemon import Daemon
 from ..protocol import postcard
 from ..protocol.schema import Request, Response
 from .connection import Connection

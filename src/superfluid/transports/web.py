@@ -34,16 +34,16 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..daemon import REFUSED, STREAMED, Daemon, DaemonError, refusal
-from ..generation import Committed, Done, Provisional
+from ..core.daemon import REFUSED, STREAMED, Daemon, DaemonError, refusal
+from ..core.generation import Committed, Done, Provisional
 from ..protocol import jsoncodec
 from ..protocol.schema import Request
 from ..protocol.schema import Response as Reply
 from ..protocol.types import U32, U64, Struct
-from ..ratelimit import TokenBucket, retry_after_header, retry_after_ms
 from .addresses import LOOPBACK_HOSTS, parse_web_address
 from .connection import Connection
 from .listener import HttpListener
+from .ratelimit import TokenBucket, retry_after_header, retry_after_ms
 
 log = logging.getLogger("superfluid.web")
 

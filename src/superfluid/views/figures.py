@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..metrics import QUEUE_LABELS
 from ..protocol.schema import QOS_NAMES
-from ..scheduler.scheduler import TIERS
+from ..scheduler.stats import TIERS
 
 CLASSES = tuple(QOS_NAMES[i] for i in range(len(QOS_NAMES)))
 HISTORY_SAMPLES = 300  # five minutes at one sample a second

@@ -22,11 +22,12 @@ import numpy as np
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
-from ..chat import ChatError
-from ..daemon import Daemon
-from ..engine.llama import EngineError, embedding_limit
-from ..runtime import Runtime
+from ..core.daemon import Daemon
+from ..core.runtime import Runtime
+from ..engine.interface import EngineError
+from ..engine.llama import embedding_limit
 from . import ollama
+from .chat import ChatError
 from .chat_http import runtime_for
 from .openai import Body, error
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import llama_cpp as L
 
-from .protocol.schema import FIM_PSM, FIM_SPM
+from ..protocol.schema import FIM_PSM, FIM_SPM
 from .runtime import ModelError, Models, Runtime
 
 FIM_MARKERS = ("prefix", "suffix", "middle")

@@ -17,12 +17,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..chat import ChatError, ChatRequest
 from ..config import SamplingDefaults
 from ..engine.sampling import MASK64
 from ..engine.shaping import MAX_TOP_LOGPROBS, Shaping
-from ..logprobs import TokenLogprob
 from ..protocol.schema import GenParams
+from .chat import ChatError, ChatRequest
+from .logprobs import TokenLogprob
 
 MAX_CHOICES = 128
 

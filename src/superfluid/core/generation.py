@@ -21,12 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .bus import Committed, Provisional
-from .engine.shaping import LogprobRow
-from .metrics import Metrics
-from .model.channels import ChannelSplitter, Piece
-from .model.dialects import HERMES, Dialect
-from .protocol.schema import (
+from ..engine.shaping import LogprobRow
+from ..metrics import Metrics
+from ..model.channels import ChannelSplitter, Piece
+from ..model.dialects import HERMES, Dialect
+from ..protocol.schema import (
     CHANNEL_REASONING,
     CHANNEL_TEXT,
     CHANNEL_TOOL_CALL,
@@ -37,11 +36,12 @@ from .protocol.schema import (
     EventMsg,
     GenParams,
 )
-from .scheduler.scheduler import Job, Scheduler
-from .store.leases import LeaseLost
-from .store.sessions import SessionStore
+from ..scheduler.scheduler import Job, Scheduler
+from ..store.leases import LeaseLost
+from ..store.sessions import SessionStore
+from .bus import Committed, Provisional
 
-log = logging.getLogger("superfluid.generation")
+log = logging.getLogger("superfluid.core.generation")
 # text ahead of its commit reaches a listener at most this often, in one piece (the first at once)
 HAND_OVER_S = 0.04
 B = EventBody

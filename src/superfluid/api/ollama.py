@@ -25,12 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
-from ..daemon import Daemon
-from ..fim import missing_markers
+from ..core.daemon import Daemon
+from ..core.fim import missing_markers
+from ..core.runtime import ModelError, Runtime
 from ..model.tools import ToolDeclarationError, normalize_tools
-from ..runtime import ModelError, Runtime
-from .access import may_administer
+from ..transports.access import may_administer
+from .chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, scheduling
 from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
 from .openai import GONE, Body, sampling

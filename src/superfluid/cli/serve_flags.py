@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import (
+from ..config import (
     DEFAULT_HTTP,
     DEFAULT_MAX_BATCH,
     KERNELS,
@@ -25,8 +25,8 @@ from .config import (
     default_sessions,
     default_socket,
 )
-from .model.dialects import DIALECTS, NAMES
-from .protocol.schema import QOS_ALIASES, qos_class
+from ..model.dialects import DIALECTS, NAMES
+from ..protocol.schema import QOS_ALIASES, qos_class
 
 RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
 SPECULATE = ("off", "auto", "prompt-lookup")

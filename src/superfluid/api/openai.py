@@ -31,16 +31,16 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece, seed_for
 from ..config import SamplingDefaults
-from ..daemon import Daemon
+from ..core.daemon import Daemon
 from ..engine.shaping import MAX_TOP_LOGPROBS
-from ..logprobs import TokenLogprob
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
+from .chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece, seed_for
 from .chat_http import HttpPolicy, answer, collect, collect_all, runtime_for, scheduling, while_connected
 from .extras import ChatExtras, ShapedBody, choice_requests, logprobs_json
 from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
+from .logprobs import TokenLogprob
 
 _ids = itertools.count(1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ..chat import ChatError, Piece
+from .chat import ChatError, Piece
 
 ROLES = ("user", "system", "developer", "assistant")
 PARTS = ("input_text", "output_text", "refusal", "input_image", "input_audio")

@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .daemon import REFUSED, ContextTooLong, Daemon
-from .engine.grammar import GrammarError, schema_grammar, tool_call_grammar
-from .engine.shaping import Shaping
-from .generation import Committed, Done, Provisional
-from .logprobs import LogprobText, TokenLogprob
-from .model.template import TemplateProblem
-from .protocol.schema import (
+from ..core.daemon import REFUSED, ContextTooLong, Daemon
+from ..core.generation import Committed, Done, Provisional
+from ..core.runtime import Runtime
+from ..engine.grammar import GrammarError, schema_grammar, tool_call_grammar
+from ..engine.shaping import Shaping
+from ..model.template import TemplateProblem
+from ..protocol.schema import (
     CHANNEL_REASONING,
     FINISH_CANCELLED,
     FINISH_GRAMMAR,
@@ -34,8 +34,8 @@ from .protocol.schema import (
     GenParams,
     Request,
 )
-from .runtime import Runtime
-from .scheduler.prompt_pins import DEFAULT_TTL_MS
+from ..scheduler.prompt_pins import DEFAULT_TTL_MS
+from .logprobs import LogprobText, TokenLogprob
 
 B = EventBody
 

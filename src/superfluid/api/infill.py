@@ -28,8 +28,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece
-from ..daemon import Daemon
+from ..core.daemon import Daemon
+from .chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece
 from .chat_http import HttpPolicy, answer, while_connected
 from .extras import ShapedBody
 from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens

@@ -29,8 +29,7 @@ import numpy as np
 
 from . import wire
 from .grammar import GrammarError
-from .llama import ContextShape, EngineError, KVFull
-from .local import Step, WorkerGone
+from .interface import ContextShape, EngineError, KVFull, Step, WorkerGone
 from .shaping import Shaping
 
 log = logging.getLogger("superfluid.engine")

@@ -32,12 +32,12 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome
-from ..daemon import REFUSED, TURN_ENDED, Daemon
+from ..core.daemon import REFUSED, TURN_ENDED, Daemon
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
-from .access import request_key
+from ..transports.access import request_key
+from .chat import ChatError, ChatRequest, ChatRun, Outcome
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .openai import GONE, SampledBody, chat_messages, error
 from .response_items import Event, Output, appendable, chat_turns, input_items, new_id, qualified

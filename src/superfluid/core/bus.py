@@ -15,8 +15,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .engine.shaping import LogprobRow
-from .protocol.schema import EventMsg
+from ..engine.shaping import LogprobRow
+from ..protocol.schema import EventMsg
 
 QUEUE_LIMIT = 1024
 

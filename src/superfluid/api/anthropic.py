@@ -27,13 +27,13 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatError, ChatRequest, ChatRun, Outcome, Piece, rendered
-from ..daemon import Daemon
+from ..core.daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..protocol.schema import GenParams
 from ..scheduler.prompt_pins import DEFAULT_TTL_MS, TTLS_MS
 from . import anthropic_errors
 from .anthropic_errors import ROUTE
+from .chat import ChatError, ChatRequest, ChatRun, Outcome, Piece, rendered
 from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
 from .openai import GONE, Body, sampling
 

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .client import SocketClient
-from .protocol import jsoncodec
-from .protocol.schema import (
+from ..client import SocketClient
+from ..protocol import jsoncodec
+from ..protocol.schema import (
     FINISH_NAMES,
     QOS_NAMES,
     EventMsg,

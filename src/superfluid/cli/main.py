@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import __version__
-from .config import DEFAULT_HTTP, default_socket
+from .. import __version__
+from ..config import DEFAULT_HTTP, default_socket
 from .serve_flags import add_serve_arguments, apply_environment, http_address, serve_config
 
 DESCRIPTION = """\
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _agent_commands(commands: Any) -> None:
     """`launch` runs a coding agent against a daemon; `stop` stops the daemon `launch` started."""
-    from .agents.table import AGENTS
+    from ..agents.table import AGENTS
 
     listing = "\n".join(f"  {a.name:<9} {a.title} ({a.api})" for a in AGENTS.values())
     launch = commands.add_parser(
@@ -185,7 +185,7 @@ def _client_commands(commands: Any) -> None:
 
 
 def _run_agent_command(args: argparse.Namespace) -> int:
-    from .agents.launch import LaunchError, launch, stop_recorded
+    from ..agents.launch import LaunchError, launch, stop_recorded
 
     if args.command == "stop":
         print(f"superfluid: {stop_recorded()}", file=sys.stderr)
@@ -210,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     if passed:
         args.agent_args = passed
     if args.command == "serve":
-        from .logsetup import LogPane, parse_directive, setup_logging
+        from ..logsetup import LogPane, parse_directive, setup_logging
+        from ..transports.access import load_policy
+        from ..transports.addresses import parse_web_address, split_address
         from .serve import run
-        from .transports.access import load_policy
-        from .transports.addresses import parse_web_address, split_address
 
         try:
             parse_directive(args.log_filter)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_command(f"{args.command} {args.verb}", args)
     if args.command == "top":
-        from .views.top import Top
+        from ..views.top import Top
 
         Top(args.addresses, args.api_key).run()
         return 0

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..store.sessions import SessionStore
 from .bus import Bus
-from .store.sessions import SessionStore
 
-log = logging.getLogger("superfluid.cluster")
+log = logging.getLogger("superfluid.core.cluster")
 
 
 class RemoteCommits:

@@ -21,10 +21,10 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..chat import ChatError
-from ..daemon import Daemon
+from ..core.daemon import Daemon
+from ..core.runtime import Runtime
 from ..engine.llama import embedding_limit
-from ..runtime import Runtime
+from .chat import ChatError
 from .chat_http import runtime_for
 from .openai import Body, error, sampling
 
@@ -55,7 +55,7 @@ def props(runtime: Runtime) -> dict[str, Any]:
     """GET /props for one loaded model."""
     defaults = sampling(runtime.sampling, None, None, None, None, None)
     scheduler = runtime.scheduler
-    shape, cache = scheduler.engine.shape, scheduler.cache
+    shape, cache = scheduler.engine.shape, scheduler.tiers.cache
     return {
         "model": runtime.id,
         "model_path": str(runtime.model.path),

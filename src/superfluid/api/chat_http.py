@@ -19,11 +19,11 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..chat import ChatError, ChatRun, Collected
-from ..daemon import Daemon
+from ..core.daemon import Daemon
+from ..core.runtime import ModelError, Runtime
 from ..protocol.schema import QOS_AGENT, QOS_NAMES, qos_class
-from ..runtime import ModelError, Runtime
-from .access import request_key
+from ..transports.access import request_key
+from .chat import ChatError, ChatRun, Collected
 
 QOS_HEADER = "x-superfluid-qos"
 INVARIANT_HEADER = "x-superfluid-batch-invariant"

@@ -19,18 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import SamplingDefaults, ServeConfig
-from .engine.build import exactness_problems, fast_environment, fast_library
-from .engine.channel import WorkerEngine
-from .engine.llama import ContextShape, EngineError, LlamaContext, LlamaModel
-from .engine.local import Engine, LocalEngine
-from .model.dialects import named
-from .model.resolve import ModelNotFound, resolve_model
-from .model.template import CHATML, ChatTemplate
-from .scheduler.park import Park, default_budget, park_fingerprint
-from .scheduler.prompt_pins import PromptPins
-from .scheduler.scheduler import Scheduler
-from .scheduler.speculate import SpecSettings
+from ..config import SamplingDefaults, ServeConfig
+from ..engine.build import exactness_problems, fast_environment, fast_library
+from ..engine.interface import ContextShape, Engine, EngineError
+from ..engine.llama import LlamaContext, LlamaModel
+from ..engine.local import LocalEngine
+from ..engine.worker_client import WorkerEngine
+from ..model.dialects import named
+from ..model.resolve import ModelNotFound, resolve_model
+from ..model.template import CHATML, ChatTemplate
+from ..scheduler.park import Park, default_budget, park_fingerprint
+from ..scheduler.prompt_pins import PromptPins
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.speculate import SpecSettings
 
 log = logging.getLogger("superfluid")
 

@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
-from ..daemon import Daemon
-from ..runtime import ModelError
-from ..serve_flags import RUNTIMES
+from ..cli.serve_flags import RUNTIMES
+from ..core.daemon import Daemon
+from ..core.runtime import ModelError
 from .openai import Body, error
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.shaping import LogprobRow
+from ..engine.shaping import LogprobRow
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 from starlette.requests import Request
 
-from ..chat import ChatError
-from ..daemon import Daemon
-from ..fim import FimError, fim_prompt, repo_context
+from ..core.daemon import Daemon
+from ..core.fim import FimError, fim_prompt, repo_context
+from ..core.runtime import Runtime
 from ..protocol.schema import QOS_COMPLETION
-from ..runtime import Runtime
+from .chat import ChatError
 from .chat_http import HttpPolicy, runtime_for, scheduling
 
 

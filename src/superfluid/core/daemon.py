@@ -21,20 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from .bus import END_PURGED, Bus, Subscription
-from .cluster import RemoteCommits
-from .engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
-from .engine.llama import LlamaModel
-from .engine.shaping import Shaping
-from .fim import FimError, check_fim, fim_prompt, fim_runtime
-from .generation import Done, GenerationRun, Generations, Outcome
-from .logsetup import set_log_directive
-from .metrics import Metrics
-from .model.blocks import BlockError, project_block
-from .model.channels import ChannelSplitter
-from .model.template import ChatTemplate, TemplateProblem
-from .model.tools import ToolDeclarationError, fallback_system_text, normalize_tool, normalize_tools
-from .protocol.schema import (
+from ..engine.grammar import Grammar, GrammarError, schema_grammar, tool_call_grammar
+from ..engine.llama import LlamaModel
+from ..engine.shaping import Shaping
+from ..logsetup import set_log_directive
+from ..metrics import Metrics
+from ..model.blocks import BlockError, project_block
+from ..model.channels import ChannelSplitter
+from ..model.template import ChatTemplate, TemplateProblem
+from ..model.tools import ToolDeclarationError, fallback_system_text, normalize_tool, normalize_tools
+from ..protocol.schema import (
     BLOCK_IMAGE,
     CHANNEL_TEXT,
     FINISH_GRAMMAR,
@@ -63,15 +59,19 @@ from .protocol.schema import (
     SessionSummary,
     Tier,
 )
+from ..scheduler.scheduler import Job, Scheduler
+from ..store.errors import StoreError
+from ..store.leases import LeaseLost, SessionElsewhere
+from ..store.media import MediaStore
+from ..store.sessions import SessionStore, now_ms
+from ..store.state import SessionState, ToolCallState
+from .bus import END_PURGED, Bus, Subscription
+from .cluster import RemoteCommits
+from .fim import FimError, check_fim, fim_prompt, fim_runtime
+from .generation import Done, GenerationRun, Generations, Outcome
 from .runtime import Models, Runtime
-from .scheduler.scheduler import Job, Scheduler
-from .store.leases import LeaseLost, SessionElsewhere
-from .store.media import MediaStore
-from .store.postgres import StoreError
-from .store.sessions import SessionStore, now_ms
-from .store.state import SessionState, ToolCallState
 
-log = logging.getLogger("superfluid.daemon")
+log = logging.getLogger("superfluid.core.daemon")
 B = EventBody
 R = Request
 
@@ -509,7 +509,7 @@ class Daemon:
         """Resident while generating, Parked when the park holds a prefix of its tokens, else Cold."""
         if s.id in self.running:
             return Tier.Resident()
-        park = self.scheduler.park
+        park = self.scheduler.tiers.park
         found = park.lookup(np.asarray(s.tokens, dtype=np.int32), len(s.tokens)) if park and s.tokens else None
         return Tier.Parked(found[1], 0) if found else Tier.Cold()
 

@@ -13,20 +13,20 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .config import ServeConfig
-from .daemon import Daemon
-from .logsetup import LogPane
-from .metrics import Metrics
-from .runtime import Models
-from .store.leases import LeaseTiming, daemon_id
-from .store.postgres import PostgresLog, open_log, redacted
-from .store.sessions import SessionStore
-from .transports.addresses import reachable
-from .transports.socket import SocketServer
+from .. import __version__
+from ..config import ServeConfig
+from ..core.daemon import Daemon
+from ..core.runtime import Models
+from ..logsetup import LogPane
+from ..metrics import Metrics
+from ..store.leases import LeaseTiming, daemon_id
+from ..store.postgres import PostgresLog, open_log, redacted
+from ..store.sessions import SessionStore
+from ..transports.addresses import reachable
+from ..transports.socket import SocketServer
 
 if TYPE_CHECKING:
-    from .transports.http import ApiServer
+    from ..transports.http import ApiServer
 
 log = logging.getLogger("superfluid")
 
@@ -35,7 +35,7 @@ IDLE_CHECK_S = 5.0
 
 # the HTTP listeners' modules (FastAPI, pydantic, uvicorn: about 0.4 s to import) load on a
 # thread while the models load, which mostly waits for the worker process
-HTTP_MODULES = ("superfluid.transports.http", "superfluid.transports.web", "superfluid.transports.chat_http")
+HTTP_MODULES = ("superfluid.transports.http", "superfluid.transports.web", "superfluid.api.chat_http")
 
 
 def _import_http() -> threading.Thread:
@@ -71,9 +71,9 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         store.close()
         raise
     imports.join()
-    from .transports.chat_http import HttpPolicy
-    from .transports.http import ApiServer
-    from .transports.web import WebServer, mint_token
+    from ..api.chat_http import HttpPolicy
+    from ..transports.http import ApiServer
+    from ..transports.web import WebServer, mint_token
 
     default = daemon.runtime
     known = daemon.start()
@@ -158,7 +158,7 @@ def _start_monitor(
     daemon: Daemon, heading: str, pane: LogPane | None, stop: asyncio.Event
 ) -> tuple[Any, asyncio.Task[Any]]:
     """The terminal monitor, running in this event loop; the daemon stops when the user quits it."""
-    from .views.monitor import Monitor  # Textual loads only when the monitor is shown
+    from ..views.monitor import Monitor  # Textual loads only when the monitor is shown
 
     async def read() -> str:
         return daemon.metrics.exposition()

@@ -1,0 +1,1 @@
+"""The HTTP APIs' shapes: OpenAI, Anthropic, Ollama and Responses, and the stateless chat layer they share."""

@@ -1,0 +1,1 @@
+"""The `superfluid` command and its subcommands."""

@@ -1,0 +1,1 @@
+"""The daemon's middle: the session verbs, generations in flight, the event bus, the loaded models, the cluster."""
