@@ -45,7 +45,7 @@ else
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
 endif
 
-.PHONY: serve test bench peers system-packages agents clean
+.PHONY: serve test unit typecheck bench peers system-packages agents clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -74,7 +74,21 @@ serve: $(STAMP)
 test: $(STAMP) system-packages agents
 	$(BIN)/ruff check src tests clients bench
 	$(BIN)/ruff format --check src tests clients bench
+	$(BIN)/python -m mypy
 	$(BIN)/pytest -q --durations=15
+
+# The tests that start nothing (no daemon, model, PostgreSQL, browser or agent: `-m "not e2e"`, see
+# tests/conftest.py) and the linters, with no system packages; meant to stay under a minute on two
+# cores, and --durations names what does not.
+unit: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/python -m mypy
+	$(BIN)/pytest -q -m "not e2e" --durations=10
+
+# mypy over src/superfluid, as [tool.mypy] in pyproject.toml says (`make test` and `make unit` run it too)
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
 
 bench: $(STAMP) peers
 	$(BIN)/python bench/run.py --peers $(PEERS)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,19 @@ from superfluid.metrics import read_metric
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams, Request, Response
 
 os.environ.setdefault("SUPERFLUID_KERNELS", "exact")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark e2e the tests that start PostgreSQL or Chromium, whatever their module says: `make unit`
+    installs neither, and test_store.py runs its plain tests on SQLite and on PostgreSQL (a
+    parameter "postgresql", whose fixture asks for `postgres` only as it runs)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_postgres = callspec is not None and "postgresql" in map(str, callspec.params.values())
+        if on_postgres or {"postgres", "browser"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 # The chat templates of real model families, from the llama.cpp source `make` builds (Makefile)
@@ -91,17 +106,25 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 120.0) -> DaemonProcess:
+        """Start the daemon and return once it serves: when it sends READY=1 to $NOTIFY_SOCKET (systemd's
+        protocol, on an abstract socket of this start's own), which it does once every listener is up."""
         self.root.mkdir(parents=True, exist_ok=True)
-        offset = self.log.stat().st_size if self.log.exists() else 0
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"superfluid exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            if b"superfluid 0.1.0: serving" in self.log.read_bytes()[offset:]:
-                return self
-            time.sleep(0.05)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
+            name = f"superfluid-test-{os.getpid()}-{secrets.token_hex(8)}"
+            ready.bind("\0" + name)
+            ready.settimeout(0.05)
+            env = {**os.environ, "NOTIFY_SOCKET": "@" + name}
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    if b"READY=1" in ready.recv(4096).split(b"\n"):
+                        return self
+                except TimeoutError:
+                    pass
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"superfluid exited with {self.proc.returncode}:\n{self.log.read_text()}")
         raise RuntimeError(f"superfluid did not start:\n{self.log.read_text()}")
 
     def client(self) -> SocketClient:
@@ -201,8 +224,6 @@ def chat_body(content: str, max_tokens: int, stream: bool) -> dict:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -25,6 +25,8 @@ import httpx
 import pytest
 from conftest import CITY_FUNCTION, HttpDaemon, free_port
 
+pytestmark = pytest.mark.e2e
+
 AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
 SUPERFLUID = [sys.executable, "-m", "superfluid"]
 

@@ -13,6 +13,8 @@ import pytest
 from conftest import WebDaemon, free_port
 from playwright.sync_api import Browser
 
+pytestmark = pytest.mark.e2e
+
 PAGES = Path(__file__).parent / "browser"
 
 

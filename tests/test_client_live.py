@@ -12,6 +12,8 @@ import pytest
 from conftest import WebDaemon
 from superfluid_client import Client, Sampling, SessionBusy, SuperfluidError, drop_events
 
+pytestmark = pytest.mark.e2e
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "clients" / "python" / "examples"
 STORY = "Tell a short story about a lighthouse."
 

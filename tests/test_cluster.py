@@ -30,6 +30,8 @@ from superfluid_client import Client
 from superfluid.client import SocketClient
 from superfluid.protocol.schema import FINISH_ERROR, FINISH_LENGTH, EventBody, Request, Response
 
+pytestmark = pytest.mark.e2e
+
 RENEW_S, EXPIRY_S = 0.5, 3.0
 PROMPT = "Tell me about the history of lighthouses."
 

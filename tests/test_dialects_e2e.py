@@ -16,6 +16,8 @@ from conftest import CITY_FUNCTION, ENDS_TURN, FAMILY_TEMPLATES, TEMPLATES, Http
 
 from superfluid.model.dialects import named
 
+pytestmark = pytest.mark.e2e
+
 PARAMETERS = CITY_FUNCTION["parameters"]
 CITIES = PARAMETERS["properties"]["city"]["enum"]
 WEATHER = {"type": "function", "function": CITY_FUNCTION}

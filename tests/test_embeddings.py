@@ -21,6 +21,8 @@ import openai
 import pytest
 from conftest import HttpDaemon
 
+pytestmark = pytest.mark.e2e
+
 TEXTS = ["The cat sat on the mat.", "Quarterly revenue grew by four percent.", "Rivers run to the sea."]
 
 

@@ -27,6 +27,8 @@ from superfluid.protocol.schema import EventBody, GenParams, Request, Response
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import exactness  # bench/exactness.py: the path-by-path logits probe
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = exactness.PROMPTS
 TOKENS = 200
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)

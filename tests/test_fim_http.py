@@ -23,6 +23,8 @@ from superfluid.engine.llama import LlamaModel
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import FIM_PSM, FIM_SPM, QOS_BACKGROUND, QOS_COMPLETION, Request, Response
 
+pytestmark = pytest.mark.e2e
+
 PREFIX = "def add(a, b):\n    return "
 SUFFIX = "\n\nprint(add(1, 2))"
 FIM_TOKENS = (3, 5, 6)  # what tests/test_tools_e2e.py names for SmolLM2, whose GGUF has none

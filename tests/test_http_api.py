@@ -15,6 +15,8 @@ import openai
 import pytest
 from conftest import CITY_FUNCTION, HttpDaemon
 
+pytestmark = pytest.mark.e2e
+
 WEATHER = {
     "type": "function",
     "function": {

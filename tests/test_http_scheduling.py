@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from conftest import HttpDaemon
 
+pytestmark = pytest.mark.e2e
+
 WORDS = ["harbour", "lamp", "keeper", "storm", "ledger", "granite", "tide", "signal", "rope", "gull", "reef", "mast"]
 
 

@@ -16,6 +16,8 @@ from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 
 from superfluid.engine.build import fast_library
 
+pytestmark = pytest.mark.e2e
+
 
 def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path]:
     """The default model's kernels as /v1/models reports them, and the libllama its worker has mapped."""

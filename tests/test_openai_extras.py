@@ -22,6 +22,8 @@ from superfluid.engine.llama import LlamaModel
 from superfluid.model.resolve import embedded_model
 from superfluid.model.template import ChatTemplate
 
+pytestmark = pytest.mark.e2e
+
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
 FORCED = {"ignore_eos": True}  # end-of-generation banned: exactly max_tokens tokens on every machine
 

@@ -91,6 +91,7 @@ def test_the_least_recently_used_go_first_past_the_budget(tmp_path: Path) -> Non
     assert park.bytes == 2 * size
 
 
+@pytest.mark.e2e
 def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path) -> None:
     daemon = HttpDaemon(tmp_path / "a", max_context=2048, max_batch=2).start()
     try:
@@ -166,6 +167,7 @@ def test_the_default_parks_on_a_local_disk_with_room_and_within_half_of_it(
     assert budget == 0 and "nfs4" in why
 
 
+@pytest.mark.e2e
 def test_a_daemon_that_is_never_idle_parks_too_and_says_its_rates_at_start(tmp_path: Path) -> None:
     daemon = HttpDaemon(tmp_path, max_context=8192, max_batch=2).start()
     try:

@@ -17,6 +17,8 @@ from conftest import CITY_FUNCTION, HttpDaemon
 
 from superfluid.protocol.schema import Request
 
+pytestmark = pytest.mark.e2e
+
 # end-of-generation banned: a reply of exactly max_output_tokens on every machine
 FORCED = {"ignore_eos": True}
 WEATHER = {"type": "function", **CITY_FUNCTION}  # the Responses API's flat function tool

@@ -6,9 +6,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import DaemonProcess, forced, generate, generated_tokens, metric, new_session, say
 
 from superfluid.protocol.schema import Request, Response
+
+pytestmark = pytest.mark.e2e
 
 STORY = "Write a long story about a lighthouse keeper and the sea."
 

@@ -22,6 +22,8 @@ from conftest import HttpDaemon, chat_body
 from superfluid.metrics import read_metric
 from superfluid.model.resolve import embedded_model
 
+pytestmark = pytest.mark.e2e
+
 GOOD, ADMIN, AGENT = "good-secret", "admin-secret", "agent-secret"
 
 

@@ -35,6 +35,8 @@ from superfluid.protocol.schema import (
     Tier,
 )
 
+pytestmark = pytest.mark.e2e
+
 B = EventBody
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 

@@ -18,6 +18,8 @@ from conftest import GREEDY, HttpDaemon, forced, generated_tokens, new_session, 
 
 from superfluid.protocol.schema import GenParams
 
+pytestmark = pytest.mark.e2e
+
 MODULE = "\n".join(
     f"def step_{i}(value, factor):\n    result = value * factor + {i}\n    return result\n" for i in range(10)
 )

@@ -7,12 +7,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import GREEDY, DaemonProcess, new_session, say
 
 from superfluid.protocol.schema import Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from startup import EVENTS_EACH, SESSIONS, write_big_log  # bench/startup.py: the same log the bench starts on
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # about 30 s: a log of a million events, and two starts
 
 
 def started(root: Path) -> tuple[DaemonProcess, float]:

@@ -10,6 +10,8 @@ import httpx
 import pytest
 from conftest import HttpDaemon
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:

@@ -10,6 +10,8 @@ from superfluid.model.resolve import embedded_model
 from superfluid.model.template import CHATML, ChatTemplate, TemplateProblem
 from superfluid.model.tools import fallback_system_text, normalize_tool, normalize_tools
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:

@@ -12,6 +12,8 @@ from conftest import DaemonProcess, WebDaemon
 
 from superfluid.protocol.schema import Request, Response
 
+pytestmark = pytest.mark.e2e
+
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0, "seed": 0}
 CITIES = ["Paris", "Oslo", "Lima", "Cairo", "Perth"]
 # the city is one of a few names, so a call forced by a grammar completes on any machine

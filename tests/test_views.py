@@ -22,6 +22,8 @@ from superfluid.views.figures import Figures
 from superfluid.views.monitor import ConfirmQuit, Monitor
 from superfluid.views.top import Top
 
+pytestmark = pytest.mark.e2e
+
 SIZE = (170, 50)
 
 

@@ -19,6 +19,8 @@ import websockets
 from conftest import WebDaemon, free_port
 from websockets.exceptions import InvalidStatus
 
+pytestmark = pytest.mark.e2e
+
 ORIGIN = "http://127.0.0.1:5999"
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0, "seed": 0}

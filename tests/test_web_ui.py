@@ -24,6 +24,8 @@ from superfluid.protocol import jsoncodec
 from superfluid.protocol.schema import EventBody
 from superfluid.store.sqlite import SqliteLog
 
+pytestmark = pytest.mark.e2e
+
 OUT = Path(__file__).resolve().parent.parent / "test-output" / "web-ui"
 BIG_SESSION = 1
 BIG_EVENTS = 10_000

@@ -21,6 +21,8 @@ from conftest import HttpDaemon, chat_body, forced, generated_tokens, new_sessio
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import FINISH_ERROR, EventBody, Request, Response
 
+pytestmark = pytest.mark.e2e
+
 STORY = "Write a long story about a lighthouse keeper and the sea."
 WORKER = "superfluid-worker-llamacpp"
 

@@ -9,6 +9,7 @@ names (`::` is accepted for `.`); levels are trace, debug, info, warn, error and
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import logging.handlers
@@ -17,7 +18,6 @@ import queue
 import sys
 import time
 from pathlib import Path
-from typing import IO
 
 LEVELS = {
     "trace": logging.DEBUG,
@@ -62,7 +62,7 @@ class NumberedFiles(logging.handlers.RotatingFileHandler):
         )
         self.namer = lambda name: str(directory / f"superfluid.{name.rsplit('.', 1)[-1]}.jsonl")
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> io.TextIOWrapper:
         fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)
         return os.fdopen(fd, "a", encoding="utf-8")
@@ -134,10 +134,13 @@ def parse_directive(directive: str) -> list[tuple[str, int]]:
         target, _, level = item.rpartition("=")
         level_no = LEVELS.get(level.strip().lower())
         if level_no is None:
-            raise ValueError(f"invalid log directive {item!r}: the level must be one of {', '.join(LEVELS)}")
+            raise ValueError(
+                f"invalid log directive {item!r}: expected LEVEL or TARGET=LEVEL, where LEVEL is one of "
+                f"{', '.join(LEVELS)} (a directive such as superfluid.scheduler=debug,info)"
+            )
         pairs.append((target.strip().replace("::", "."), level_no))
     if not pairs:
-        raise ValueError("empty log directive: give a level such as `info` or `superfluid=debug`")
+        raise ValueError("empty log directive: expected a level such as info, or TARGET=LEVEL such as superfluid=debug")
     return pairs
 
 

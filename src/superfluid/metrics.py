@@ -28,6 +28,16 @@ def read_metric(exposition: str, name: str) -> float:
     return sum(float(value) for value in pattern.findall(exposition))
 
 
+def _stat(field: str) -> Callable[[Any], float]:
+    """A scheduler's counter `field`."""
+    return lambda s: getattr(s.stats, field)
+
+
+def _park_stat(field: str) -> Callable[[Any], float]:
+    """A scheduler's park's counter `field` (0 without a park)."""
+    return lambda s: getattr(s.tiers.park, field) if s.tiers.park else 0
+
+
 class _SchedulerCollector(Collector):
     def __init__(self) -> None:
         self.daemon: Any = None
@@ -60,15 +70,13 @@ class _SchedulerCollector(Collector):
             ("spec_proposed", "spec_proposed", "Drafted tokens put into decodes (speculative decoding)"),
             ("spec_accepted", "spec_accepted", "Drafted tokens the lanes would have drawn anyway"),
         ):
-            yield family(CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.stats, f))
+            yield family(CounterMetricFamily, name, doc, _stat(field))
         for name, field, doc in (
             ("parks", "parks", "KV states written to the park"),
             ("resumes", "resumes", "Prefixes imported back from the park"),
             ("park_refused", "refused", "Parked files that failed a check, deleted"),
         ):
-            yield family(
-                CounterMetricFamily, name, doc, lambda s, f=field: getattr(s.tiers.park, f) if s.tiers.park else 0
-            )
+            yield family(CounterMetricFamily, name, doc, _park_stat(field))
         for name, doc, value in (
             ("lanes_active", "Lanes running a job", lambda s: s.stats.lanes_active),
             ("lanes_total", "Lanes (--max-batch)", lambda s: s.max_lanes),

@@ -381,7 +381,7 @@ def _event(name: str, data: dict[str, Any]) -> str:
 def _started(run: ChatRun, reply_id: str, name: str) -> str:
     """`message_start`, sent with the first block, once the prompt's cached part is known."""
     prompt = Outcome("", run.prompt_tokens, 0, run.warm)
-    message = {"id": reply_id, "type": "message", "role": "assistant", "model": name, "content": []}
+    message: dict[str, Any] = {"id": reply_id, "type": "message", "role": "assistant", "model": name, "content": []}
     message |= {"stop_reason": None, "stop_sequence": None, "usage": usage(prompt, run.marked)}
     return _event("message_start", {"message": message})
 
@@ -401,7 +401,7 @@ async def _stream(run: ChatRun, reply_id: str, name: str) -> AsyncIterator[str]:
                 index += 1
                 block = {"type": "tool_use", "id": _tool_id(piece.call_id), "name": piece.name, "input": {}}
                 yield _event("content_block_start", {"index": index, "content_block": block})
-                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                delta: dict[str, str | None] = {"type": "input_json_delta", "partial_json": piece.arguments}
                 yield _event("content_block_delta", {"index": index, "delta": delta})
                 yield _event("content_block_stop", {"index": index})
                 continue

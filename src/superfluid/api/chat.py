@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.daemon import REFUSED, ContextTooLong, Daemon
+from ..core.constraints import ConstraintError, constraint_grammar
+from ..core.daemon import Daemon
+from ..core.errors import REFUSED, ContextTooLong
 from ..core.generation import Committed, Done, Provisional
 from ..core.runtime import Runtime
-from ..engine.grammar import GrammarError, schema_grammar, tool_call_grammar
 from ..engine.shaping import Shaping
 from ..model.template import TemplateProblem
 from ..protocol.schema import (
@@ -176,23 +177,27 @@ class ChatRun:
         limit = request.max_tokens or runtime.max_tokens
         self.max_tokens = min(limit, room) if limit else room
 
+    @classmethod
+    async def open(cls, daemon: Daemon, request: ChatRequest, runtime: Runtime) -> ChatRun:
+        """A run whose session is committed (rendered and written on the daemon's writer thread, so the
+        event loop never waits for the disk); ChatError when the request cannot be served."""
+        return await daemon.written(cls, daemon, request, runtime)
+
     def _open(self) -> tuple[int, int]:
         """A fresh session holding the whole conversation: its id and its prompt length."""
         request, runtime = self.request, self.runtime
         prompt, opener, marks = rendered(request, runtime)
-        length = len(prompt) + len(opener)
-        if length >= runtime.window:
-            raise ChatError(
-                f"this model's maximum context length is {runtime.window} tokens, but your request has "
-                f"{length} tokens; shorten the prompt or drop earlier turns",
-                code="context_length_exceeded",
+        try:
+            session = self.daemon.open_chat(
+                runtime, request.params, prompt, opener, request.qos, request.batch_invariant
             )
+        except ContextTooLong as e:
+            raise ChatError(str(e), code="context_length_exceeded") from None
         if runtime.pins is not None:
             for position in sorted(set(marks)):
                 if runtime.pins.pin(prompt[:position], request.cache_ttl_ms):
                     self.marked = position
-        session = self.daemon.open_chat(runtime, request.params, prompt, opener, request.qos, request.batch_invariant)
-        return session, length
+        return session, len(prompt) + len(opener)
 
     def _fork(self, parent: int, at_event: int) -> tuple[int, int]:
         """A fork of a stored conversation with the new turns appended: its id and its prompt length."""
@@ -209,34 +214,33 @@ class ChatRun:
             raise ChatError(str(e)) from None
 
     def _grammar(self) -> str | None:
-        request, template = self.request, self.runtime.template
+        """The grammar of the call `tool_choice` forces (one named tool, or any with "required"), else of
+        the reply's JSON schema."""
+        request = self.request
+        choice = request.tool_choice
+        forced: list[tuple[str, Any]] = []
+        if request.tools and (choice == "required" or isinstance(choice, dict)):
+            wanted = choice.get("function", choice).get("name") if isinstance(choice, dict) else None
+            forced = [
+                (t["function"]["name"], t["function"]["parameters"])
+                for t in request.tools
+                if wanted in (None, t["function"]["name"])
+            ]
+            if not forced:
+                raise ChatError(f"tool_choice names {wanted!r}, which is not among the tools")
         try:
-            choice = request.tool_choice
-            if request.tools and (choice == "required" or isinstance(choice, dict)):
-                wanted = choice.get("function", choice).get("name") if isinstance(choice, dict) else None
-                tools = [
-                    (t["function"]["name"], t["function"]["parameters"])
-                    for t in request.tools
-                    if wanted in (None, t["function"]["name"])
-                ]
-                if not tools:
-                    raise ChatError(f"tool_choice names {wanted!r}, which is not among the tools")
-                return tool_call_grammar(
-                    tools,
-                    template.dialect.shape,
-                    parallel=request.parallel_tool_calls and not isinstance(choice, dict),
-                    prefix=template.reasoning_left_open(),
-                )
-            if request.json_schema is not None:
-                schema = {"type": "object"} if request.json_schema is True else request.json_schema
-                return schema_grammar(schema)
-        except GrammarError as e:
-            raise ChatError(f"constraint unsatisfiable: {e}") from None
-        return None
+            return constraint_grammar(
+                self.runtime.template,
+                json_schema=None if forced else request.json_schema,
+                tools=forced,
+                parallel=request.parallel_tool_calls and not isinstance(choice, dict),
+            )
+        except ConstraintError as e:
+            raise ChatError(str(e)) from None
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
-            generation = self._generation = self.daemon.generate(
+            generation = self._generation = await self.daemon.generate(
                 Request.Generate(self.session, self.max_tokens, self.request.ignore_eos or None),
                 provisional=True,
                 grammar=self.grammar,

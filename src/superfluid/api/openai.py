@@ -225,6 +225,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         try:
             logprobs = body.logprob_count()
             qos, invariant = completion_scheduling(http, policy)
+            prompt: dict[str, Any]  # the request's prompt as text, or as token ids (a FIM prompt)
             if body.suffix is not None:
                 runtime = await fim_runtime_for(daemon, body.model)
                 prompt = {"prompt_tokens": fim_tokens(runtime, body.prompt, body.suffix, param="suffix")}

@@ -32,7 +32,9 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..core.daemon import REFUSED, TURN_ENDED, Daemon
+from ..core.daemon import Daemon
+from ..core.errors import REFUSED
+from ..core.verbs.base import TURN_ENDED
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords

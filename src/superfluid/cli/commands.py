@@ -51,7 +51,7 @@ def _ts(ms: int) -> str:
 def session_ls(socket_path: Path | None, include_archived: bool) -> str:
     with _connect(socket_path) as client:
         sessions = _call(client, Request.Sessions(include_archived), Response.SessionList).sessions
-    rows = [("ID", "PARENT", "FORK_AT", "EVENTS", "TOKENS", "OPEN_CALLS", "TITLE")]
+    rows: list[tuple[str, ...]] = [("ID", "PARENT", "FORK_AT", "EVENTS", "TOKENS", "OPEN_CALLS", "TITLE")]
     for s in sessions:
         title = (s.title or "") + (" (archived)" if s.archived else "")
         parent = "-" if s.parent is None else str(s.parent)

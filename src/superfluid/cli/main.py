@@ -11,8 +11,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..config import DEFAULT_HTTP, default_socket
-from .serve_flags import add_serve_arguments, apply_environment, http_address, serve_config
+from ..config import DEFAULT_HTTP, ServeConfig, default_socket
+from .serve_flags import (
+    add_serve_arguments,
+    apply_environment,
+    context_window,
+    http_address,
+    refused_variables,
+    serve_config,
+)
 
 DESCRIPTION = """\
 superfluid serves a local LLM whose conversations outlive crashes and restarts, fork
@@ -47,7 +54,7 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
     def _flags(self) -> list[str]:
-        flags = []
+        flags: list[str] = []
         for action in self._actions:
             flags += action.option_strings
             if isinstance(action, argparse._SubParsersAction):
@@ -63,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
+        # the flags are too many for a usage line: an error would scroll its one line of sense away
+        usage="superfluid serve [MODEL] [flags]",
         help="run the daemon",
         description="Run the daemon: load MODEL, replay the sessions and serve them.",
         epilog=SERVE_EPILOG,
@@ -129,7 +138,7 @@ def _agent_commands(commands: Any) -> None:
     )
     launch.add_argument(
         "--max-context",
-        type=int,
+        type=context_window,
         default=None,
         metavar="N",
         help="the window of a daemon launch starts (default: the model's, at most 8192)",
@@ -173,7 +182,7 @@ def _client_commands(commands: Any) -> None:
         )
     )
     export.add_argument("id", type=int, help="session id")
-    export.add_argument("--format", choices=["jsonl"], required=True, help="output format")
+    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
     export.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help="directory to write to (default: .)")
     export.add_argument("--include-content", action="store_true", help="keep texts, spans and arguments")
 
@@ -199,6 +208,49 @@ def _run_agent_command(args: argparse.Namespace) -> int:
         return 1
 
 
+def serve_settings(serve: argparse.ArgumentParser, args: argparse.Namespace) -> ServeConfig:
+    """The `ServeConfig` of parsed `serve` arguments, once every check that needs no model has
+    passed; otherwise exits 2 with what was wrong (`serve` is that subcommand's parser)."""
+    from ..transports.access import load_policy
+    from ..transports.addresses import parse_web_address, split_address
+    from ..transports.socket import UNIX_PATH_MAX
+
+    refused = refused_variables(args)
+    if refused:
+        # one line a variable: the usage says nothing about the environment
+        for variable in refused:
+            print(f"{serve.prog}: error: {variable}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if args.web:
+            parse_web_address(args.web, anywhere=args.store is not None)
+        split_address(http_address(args))  # --http is checked as it is parsed; --host and --port here
+        if not args.lease_renew < args.lease_expiry:
+            raise ValueError(
+                f"--lease-renew {args.lease_renew:g} must be below --lease-expiry {args.lease_expiry:g}: "
+                "a lease is renewed before it can expire"
+            )
+        # read once, and refused now, before any model loads
+        keys = load_policy(args.key_policy, args.api_key) if args.key_policy is not None else []
+    except ValueError as e:
+        serve.error(str(e))
+    config = serve_config(args)
+    config.keys = keys
+    # the socket opens after the models load, which may take minutes (or a download): its path is checked now
+    if len(os.fsencode(config.socket)) >= UNIX_PATH_MAX:
+        serve.error(
+            f"the socket path {config.socket} is {len(os.fsencode(config.socket))} bytes, over the "
+            f"{UNIX_PATH_MAX - 1} a unix socket allows; pass a shorter --socket"
+        )
+    return config
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = commands.choices[name]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -210,29 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if passed:
         args.agent_args = passed
     if args.command == "serve":
-        from ..logsetup import LogPane, parse_directive, setup_logging
-        from ..transports.access import load_policy
-        from ..transports.addresses import parse_web_address, split_address
+        from ..logsetup import LogPane, setup_logging
         from .serve import run
 
-        try:
-            parse_directive(args.log_filter)
-        except ValueError as e:
-            parser.error(str(e))
-        try:
-            if args.web:
-                parse_web_address(args.web, anywhere=args.store is not None)
-            split_address(http_address(args))
-            if not 0 < args.lease_renew < args.lease_expiry:
-                raise ValueError(
-                    f"--lease-renew {args.lease_renew:g} must be above 0 and below --lease-expiry {args.lease_expiry:g}"
-                )
-            # read once, and refused now, before any model loads
-            keys = load_policy(args.key_policy, args.api_key) if args.key_policy is not None else []
-        except ValueError as e:
-            parser.error(str(e))
-        config = serve_config(args)
-        config.keys = keys
+        config = serve_settings(_subparser(parser, "serve"), args)
         pane = LogPane() if config.tui else None
         if pane is not None and config.log_dir is None:
             config.log_dir = config.sessions / "logs"  # the pane scrolls away; the log stays on disk too

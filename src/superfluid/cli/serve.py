@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -48,13 +49,37 @@ def _import_http() -> threading.Thread:
     return thread
 
 
+def notify_socket() -> str | None:
+    """$NOTIFY_SOCKET, taken out of the environment: the workers, which start later, do not speak
+    for the service, and must not inherit it."""
+    return os.environ.pop("NOTIFY_SOCKET", None) or None
+
+
+def notify(address: str | None, state: str) -> None:
+    """Tell a supervisor what the daemon does (`READY=1` once every listener is up, `STOPPING=1`)
+    by systemd's notify protocol: one datagram to `address`, an abstract socket when it starts
+    with @. A unit of Type=notify starts what needs the daemon only once it serves; the tests wait
+    for it the same way, whatever the version in the heading. A supervisor gone is logged, not fatal."""
+    if not address:
+        return
+    target = "\0" + address[1:] if address.startswith("@") else address
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(1.0)
+            sock.sendto(state.encode(), target)
+    except OSError as e:
+        log.warning("could not tell $NOTIFY_SOCKET %s %s: %s", address, state, e)
+
+
 async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
+    supervisor = notify_socket()
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
     imports = _import_http()
     models = Models(config)
-    for ref in config.models or [None]:
+    refs: list[str | None] = [*config.models] or [None]  # None: the embedded model
+    for ref in refs:
         models.add(ref)
     timing = LeaseTiming(config.lease_renew, config.lease_expiry)
     # who holds a lease, until --web says where clients reach it: this machine's socket, which a
@@ -80,9 +105,10 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     web_server = None
     if config.web:  # before the socket: a session leased from here on names this daemon's address
         token_path = config.sessions / "web-token"
-        shared = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
+        # daemons sharing a store share one token, so that a client sent to another one is let in
+        shared_token = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
         web_server = WebServer(
-            daemon, config.web, mint_token(token_path, shared), config.web_origins, shared is not None
+            daemon, config.web, mint_token(token_path, shared_token), config.web_origins, shared_token is not None
         )
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
@@ -120,6 +146,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     if api_server is not None:
         lines.append(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)")
     print("\n".join(lines), flush=True)
+    notify(supervisor, "READY=1")
     if api_server is not None and not api_server.gate.keyed:
         if api_server.loopback:
             log.info("the HTTP API takes no key; it listens on this machine only")
@@ -142,6 +169,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         if monitor is not None:
             await _stop_monitor(*monitor, pane)
         log.info("stopping")
+        notify(supervisor, "STOPPING=1")
         daemon.bus.close()
         await asyncio.sleep(0.1)  # subscribers' tasks deliver their SubEnded before the sockets close
         if web_server is not None:

@@ -11,8 +11,10 @@ a one-line notice, so scripts written for it keep working.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,10 @@ from ..config import (
     default_sessions,
     default_socket,
 )
+from ..logsetup import parse_directive
 from ..model.dialects import DIALECTS, NAMES
 from ..protocol.schema import QOS_ALIASES, qos_class
+from ..transports.addresses import split_address
 
 RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
 SPECULATE = ("off", "auto", "prompt-lookup")
@@ -51,24 +55,55 @@ RETIRED: dict[str, bool | str] = {
 }
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
-    return value
+def _integer(low: int, high: int | None = None, zero: str = "") -> Callable[[str], int]:
+    """A `type=` for an integer from `low` (up to `high`); `zero` says what 0 means where it is allowed."""
+    accepted = f"an integer from {low} to {high}" if high is not None else f"an integer of at least {low}"
+    if zero:
+        accepted += f" ({zero})"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, not {text!r}")
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
-    return value
+def _number(low: float, high: float | None = None, *, above: bool = False, zero: str = "") -> Callable[[str], float]:
+    """A `type=` for a finite number from `low` (above it, with `above`) up to `high`; `zero` says what
+    0 means where it is allowed. nan and inf are refused: no flag has a use for them."""
+    if high is not None:
+        accepted = f"a number from {low:g} to {high:g}"
+    else:
+        accepted = f"a number above {low:g}" if above else f"a number of at least {low:g}"
+    if zero:
+        accepted += f" ({zero})"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, not {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, not {text!r}")
+        return value
+
+    return parse
+
+
+_positive = _integer(1)
 
 
 def _fim_tokens(text: str) -> tuple[int, int, int]:
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"give three token ids, prefix,suffix,middle (such as 1,3,2), not {text}")
+        raise argparse.ArgumentTypeError(
+            f"expected three token ids, prefix,suffix,middle (such as 1,3,2), not {text!r}"
+        )
     prefix, suffix, middle = (int(p) for p in parts)
     return prefix, suffix, middle
 
@@ -80,13 +115,43 @@ def _qos(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _context(text: str) -> int | None:
+def context_window(text: str) -> int | None:
+    """`--max-context`: `auto` (None: the model's window) or at least 512 tokens."""
     if text == "auto":
         return None
-    value = _positive(text)
-    if value < 512:
-        raise argparse.ArgumentTypeError(f"must be at least 512 tokens (or auto), not {text}")
-    return value
+    if not text.strip().isdigit() or int(text) < 512:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer of at least 512 (tokens), not {text!r}")
+    return int(text)
+
+
+def _address(text: str) -> str:
+    """`--http`: HOST:PORT, or [V6]:PORT, with a port up to 65535 (0: any free port)."""
+    try:
+        split_address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port from 0 to 65535, such as 127.0.0.1:8453, not {text!r}"
+        ) from None
+    return text
+
+
+def _web_address(text: str) -> str:
+    """`--web`: its port here; whether its host is loopback depends on --store, checked after parsing."""
+    _, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port from 0 to 65535, such as 127.0.0.1:8460, not {text!r}"
+        )
+    return text
+
+
+def _directive(text: str) -> str:
+    """`--log-filter`: checked here, so a bad one is refused before anything loads."""
+    try:
+        parse_directive(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _runtime(text: str) -> str:
@@ -116,10 +181,7 @@ def _store_url(text: str) -> str:
     return text
 
 
-def _draft_tokens(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 15:
-        raise argparse.ArgumentTypeError(f"{text!r}: a draft holds 1 to 15 tokens")
-    return int(text)
+_draft_tokens = _integer(1, 15)
 
 
 def _class_lanes(text: str) -> dict[int, int]:
@@ -128,27 +190,9 @@ def _class_lanes(text: str) -> dict[int, int]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, count = item.partition("=")
         if not sep:
-            raise argparse.ArgumentTypeError(f"give class=N pairs such as background=2,agent=6, not {item!r}")
+            raise argparse.ArgumentTypeError(f"expected class=N pairs such as background=2,agent=6, not {item!r}")
         caps[_qos(name.strip())] = _positive(count.strip())
     return caps
-
-
-def _percent(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be a percentage from 0 to 100, not {text}")
-    return value
-
-
-def _unit(low: float, high: float | None = None) -> Any:
-    def parse(text: str) -> float:
-        value = float(text)
-        if value < low or (high is not None and value > high):
-            span = f"between {low} and {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, not {text}")
-        return value
-
-    return parse
 
 
 class Repeatable(argparse._AppendAction):
@@ -195,7 +239,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     model.add_argument("--offline", action="store_true", help="never download a model; use the local cache only")
     model.add_argument(
         "--idle-timeout",
-        type=_seconds,
+        type=_number(0, zero="0: never"),
         default=0.0,
         metavar="SEC",
         help="unload a model that served nothing for SEC seconds (never the default one); a request naming it "
@@ -237,6 +281,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     server = serve.add_argument_group("listeners")
     server.add_argument(
         "--http",
+        type=_address,
         default=None,
         metavar="ADDR",
         help=f"address of the OpenAI, Anthropic and Ollama routes; wins over --host and --port "
@@ -244,7 +289,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--host", default=None, metavar="ADDR", help="host of --http (default: 127.0.0.1)")
     server.add_argument(
-        "--port", type=_positive, default=None, metavar="N", help=f"port of --http (default: {DEFAULT_PORT})"
+        "--port", type=_integer(1, 65535), default=None, metavar="N", help=f"port of --http (default: {DEFAULT_PORT})"
     )
     server.add_argument(
         "--no-http", action="store_true", help="serve the session API only (socket, and --web if given)"
@@ -274,14 +319,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--lease-renew",
-        type=_seconds,
+        type=_number(0, above=True),
         default=2.0,
         metavar="SEC",
         help="with --store: how often this daemon renews the leases of the sessions it serves (default: 2)",
     )
     server.add_argument(
         "--lease-expiry",
-        type=_seconds,
+        type=_number(0, above=True),
         default=10.0,
         metavar="SEC",
         help="with --store: how long a lease lasts unrenewed before another daemon may take its sessions (default: 10)",
@@ -295,6 +340,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--web",
+        type=_web_address,
         metavar="127.0.0.1:PORT",
         help="also serve the session API as JSON over HTTP and WebSocket on this loopback address",
     )
@@ -308,7 +354,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--nonstream-keepalive",
-        type=_seconds,
+        type=_number(0, zero="0: off"),
         default=0.0,
         metavar="SEC",
         help="answer a non-streaming request's status and headers at once and write a space into its body "
@@ -316,7 +362,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--drain-timeout",
-        type=_seconds,
+        type=_number(0, zero="0: no wait"),
         default=60.0,
         metavar="SEC",
         help="on SIGUSR1, refuse new requests (503) and wait this long for those running, then exit 0 (default: 60)",
@@ -339,7 +385,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     security.add_argument(
         "--rate-limit",
-        type=int,
+        type=_integer(0, zero="0: off"),
         default=0,
         metavar="RPM",
         help="requests per minute one client IP may make (/health and /metrics are exempt) (default: 0, off)",
@@ -348,7 +394,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     generation = serve.add_argument_group("generation")
     generation.add_argument(
         "--max-context",
-        type=_context,
+        type=context_window,
         default=None,
         metavar="N",
         help="tokens one session may hold, prompt and reply together; 'auto' is the model's trained "
@@ -372,27 +418,27 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     generation.add_argument(
         "--temperature",
-        type=_unit(0.0),
+        type=_number(0, zero="0: greedy"),
         default=None,
         metavar="T",
         help="default temperature (default: the model's, else 1)",
     )
     generation.add_argument(
-        "--top-p", type=_unit(0.0, 1.0), default=None, metavar="P", help="default top-p (default: the model's, else 1)"
+        "--top-p", type=_number(0, 1), default=None, metavar="P", help="default top-p (default: the model's, else 1)"
     )
     generation.add_argument(
         "--top-k",
-        type=int,
+        type=_integer(0, zero="0: every token"),
         default=None,
         metavar="K",
         help="default top-k; 0 keeps every token (default: the model's, else 40)",
     )
     generation.add_argument(
-        "--min-p", type=_unit(0.0, 1.0), default=None, metavar="P", help="default min-p (default: the model's, else 0)"
+        "--min-p", type=_number(0, 1), default=None, metavar="P", help="default min-p (default: the model's, else 0)"
     )
     generation.add_argument(
         "--repeat-penalty",
-        type=_unit(0.0),
+        type=_number(0, above=True),
         default=None,
         metavar="R",
         help="default repeat penalty, 1 is none (default: the model's, else 1)",
@@ -424,7 +470,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     generation.add_argument(
         "--spec-min-speedup",
-        type=_unit(1.0),
+        type=_number(1),
         default=1.08,
         metavar="X",
         help="under --speculate auto, the decode speed-up drafts must show to be kept (default: 1.08)",
@@ -434,7 +480,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     generation.add_argument(
         "--host-cache-mb",
-        type=int,
+        type=_integer(0, zero="0: off"),
         default=None,
         metavar="MB",
         help="host memory for prefixes evicted from the KV slots; they come back without a prefill "
@@ -450,14 +496,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     generation.add_argument(
         "--park-budget-gb",
-        type=float,
+        type=_number(0, zero="0: unbounded"),
         default=20.0,
         metavar="GB",
         help="disk for parked KV states, least recently used dropped first (default: 20; 0 = unbounded)",
     )
     generation.add_argument(
         "--pin-budget-pct",
-        type=_percent,
+        type=_integer(0, 100),
         default=50,
         metavar="PCT",
         help="the most of the KV pool that prompt-cache marks (Anthropic cache_control) may keep pinned; "
@@ -514,6 +560,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     logging = serve.add_argument_group("logging")
     logging.add_argument(
         "--log-filter",
+        type=_directive,
         default="info",
         metavar="DIRECTIVE",
         help="log levels, such as info or superfluid.scheduler=debug,info",
@@ -551,17 +598,32 @@ def environment_name(action: argparse.Action) -> str | None:
     return "SUPERFLUID_" + longs[0][2:].upper().replace("-", "_")
 
 
-def _truth(name: str, text: str) -> bool:
+def _truth(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"${name} must be 1 or 0 (true or false), not {text!r}")
+    raise ValueError(f"expected 1 or 0 (also true or false, yes or no, on or off), not {text!r}")
+
+
+class RefusedVariable:
+    """The default of a flag whose `SUPERFLUID_*` variable does not parse. It is an error only
+    where it is used: by `serve`, and only when the command line does not give the flag."""
+
+    def __init__(self, name: str, flag: str, problem: str) -> None:
+        self.name, self.flag, self.problem = name, flag, problem
+
+    def __str__(self) -> str:
+        return f"${self.name} ({self.flag}): {self.problem}"
 
 
 def apply_environment(serve: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
-    """Defaults from `SUPERFLUID_*` variables, and each flag's variable named in its help."""
+    """Defaults from `SUPERFLUID_*` variables, and each flag's variable named in its help.
+
+    A variable that does not parse becomes a `RefusedVariable` default rather than an error
+    here: this runs whatever the command is, and `superfluid session ls` has no use for
+    `$SUPERFLUID_MAX_BATCH`. `refused_variables` finds those that `serve` would use."""
     environ = dict(os.environ) if environ is None else environ
     for action in serve._actions:
         name = environment_name(action)
@@ -573,18 +635,31 @@ def apply_environment(serve: argparse.ArgumentParser, environ: dict[str, str] | 
         if raw is None:
             continue
         try:
-            action.default = _from_environment(action, name, raw)
+            action.default = _from_environment(action, raw)
         except (ValueError, argparse.ArgumentTypeError) as e:
-            serve.error(f"${name}: {e}")
+            action.default = RefusedVariable(name, action.option_strings[0], str(e))
 
 
-def _from_environment(action: argparse.Action, name: str, raw: str) -> Any:
+def refused_variables(args: argparse.Namespace) -> list[RefusedVariable]:
+    """The variables that did not parse, of the flags the command line left to them."""
+    return [value for value in vars(args).values() if isinstance(value, RefusedVariable)]
+
+
+def _from_environment(action: argparse.Action, raw: str) -> Any:
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-        return _truth(name, raw)
-    convert = action.type if callable(action.type) else str
+        return _truth(raw)
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+
+    def one(text: str) -> Any:
+        value = convert(text)
+        # argparse checks choices only on what the command line gives, so a variable is checked here
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"expected one of {', '.join(map(str, action.choices))}, not {text!r}")
+        return value
+
     if isinstance(action, argparse._AppendAction):
-        return [convert(item.strip()) for item in raw.split(",") if item.strip()]
-    return convert(raw)
+        return [one(item.strip()) for item in raw.split(",") if item.strip()]
+    return one(raw)
 
 
 def http_address(args: argparse.Namespace) -> str:
@@ -617,14 +692,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         worker_process=args.worker_process,
         kernels=args.kernels,
         park=args.park,
-        park_budget_gb=max(0.0, args.park_budget_gb),
+        park_budget_gb=args.park_budget_gb,
         max_tokens=args.max_tokens,
         pin_budget_pct=args.pin_budget_pct,
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p, args.repeat_penalty),
         class_lanes=args.class_lanes,
         nonstream_keepalive=args.nonstream_keepalive,
         api_key=args.api_key,
-        rate_limit=max(0, args.rate_limit),
+        rate_limit=args.rate_limit,
         drain_timeout=args.drain_timeout,
         log_file=args.log_file,
         log_dir=args.log_dir,
@@ -645,5 +720,5 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.threads is not None:
         config.threads = args.threads
     if args.host_cache_mb is not None:
-        config.host_cache_mb = max(0, args.host_cache_mb)
+        config.host_cache_mb = args.host_cache_mb
     return config

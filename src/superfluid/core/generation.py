@@ -191,7 +191,9 @@ class GenerationRun:
             pieces += tail
         self._hand_over()  # the tick's text goes out before its commit
         bodies: list[EventBody] = []
-        channel, span, text = self.splitter.channel, [], []
+        channel = self.splitter.channel
+        span: list[int] = []
+        text: list[str] = []
         for piece in pieces:
             if (span or text) and piece.channel != channel:
                 bodies.append(B.Generated(span, "".join(text), channel, 0))

@@ -94,16 +94,17 @@ GGUF_SAMPLING = {
 
 def model_sampling(metadata: dict[str, str]) -> SamplingDefaults:
     """The sampling a GGUF's author recommends (`general.sampling.*`), where it says."""
-    values: dict[str, float | int] = {}
+    values: dict[str, float] = {}
     for name, key in GGUF_SAMPLING.items():
         raw = metadata.get(key)
         if raw is None:
             continue
         try:
-            values[name] = int(float(raw)) if name == "top_k" else float(raw)
+            values[name] = float(raw)
         except ValueError:
             log.warning("%s is %r in the GGUF, not a number; ignored", key, raw)
-    return SamplingDefaults(**values)
+    top_k = values.pop("top_k", None)
+    return SamplingDefaults(**values, top_k=None if top_k is None else int(top_k))
 
 
 def chat_template(model: LlamaModel, config: ServeConfig | None = None) -> ChatTemplate:

@@ -246,12 +246,13 @@ class LlamaContext:
             seq_ptrs[i] = ctypes.cast(base + 4 * i, ctypes.POINTER(L.llama_seq_id))
         self._seq_ptrs = seq_ptrs
         self._batch = L.llama_batch()
-        self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))
-        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
-        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
-        self._batch.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self._batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
-        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        # llama_cpp annotates the batch's pointer fields as ctypes arrays; ctypes takes pointers there
+        self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(L.llama_token))  # type: ignore[assignment]
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()  # type: ignore[assignment]
+        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))  # type: ignore[assignment]
+        self._batch.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))  # type: ignore[assignment]
+        self._batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))  # type: ignore[assignment]
+        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))  # type: ignore[assignment]
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
         """Run one batch; returns the logits rows of the entries flagged in `want`, in order.

@@ -221,7 +221,7 @@ class LocalEngine:
     def export(self, seq: int) -> bytes:
         return self.context.export(seq)
 
-    def restore(self, seq: int, data: bytes) -> None:
+    def restore(self, seq: int, data: bytes | memoryview) -> None:
         self.context.restore(seq, data)
 
     def open_grammar(self, gbnf: str) -> int:

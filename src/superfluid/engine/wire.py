@@ -233,7 +233,7 @@ def decode_drawn(payload: memoryview, step: Step) -> list[list[int]]:
     drawn = [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)]
     spec = np.frombuffer(payload, dtype="<u4", count=2 * draws, offset=at).reshape(2, draws)
     at += 8 * draws
-    step.spec = {i: (int(spec[0, i]), int(spec[1, i])) for i in np.flatnonzero(spec[0])}
+    step.spec = {i: (int(spec[0, i]), int(spec[1, i])) for i in np.flatnonzero(spec[0]).tolist()}
     step.logprobs = {}
     if len(payload) == at:
         return drawn

@@ -109,7 +109,7 @@ class GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` (Hugging Face marks the assistant's own text with it):
     rendered as its body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}
 
     def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
@@ -387,12 +387,13 @@ class ChatTemplate:
                 tokens += placed[int(part)][1]
             else:
                 tokens += self._tokenize(part, True)
-        bos = int(self._bos_token is not None and tokens[:1] != [self._bos_token])
-        if bos:
+        bos = 0  # tokens put before the rendered text
+        if self._bos_token is not None and tokens[:1] != [self._bos_token]:
             tokens.insert(0, self._bos_token)
+            bos = 1
         positions = []
-        for message, chars in marks:
-            piece = piece_of.get(message + shift)
+        for marked, chars in marks:
+            piece = piece_of.get(marked + shift)
             if piece is None or piece not in placed:
                 continue
             start, whole = placed[piece]
@@ -431,14 +432,18 @@ class ChatTemplate:
 
     def _arguments_as_text(self) -> bool:
         """Whether the template wants call arguments as JSON text (most iterate them as an object)."""
-        call = {"id": "sfprobe01", "type": "function", "function": {"name": "sf_probe_fn", "arguments": {"a": 1}}}
-        history = [{"role": "user", "content": "sf-probe"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        function: dict[str, Any] = {"name": "sf_probe_fn", "arguments": {"a": 1}}
+        call = {"id": "sfprobe01", "type": "function", "function": function}
+        history: list[dict[str, Any]] = [
+            {"role": "user", "content": "sf-probe"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
         try:
             self.render(history, add_generation_prompt=False)
             return False
         except (TemplateProblem, TypeError):
             pass
-        call["function"]["arguments"] = '{"a": 1}'
+        function["arguments"] = '{"a": 1}'
         try:
             self.render(history, add_generation_prompt=False)
             return True

@@ -8,7 +8,7 @@ codec (`jsoncodec.py`) are both driven by these declarations; neither lists fiel
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeAlias
 
 from .types import F32, U8, U32, U64, Blob, Enum, Fixed, Struct, TrailingOptional
 
@@ -59,6 +59,19 @@ FIM_PSM, FIM_SPM = 0, 1
 
 StoreId = Annotated[bytes, Fixed(16)]
 
+if TYPE_CHECKING:
+    # to the type checker an enum's variants are values of the enum, as the codecs read a
+    # field annotated with it (`mode: PurgeMode` holds any variant); at run time these bases
+    # are `object`, so a variant derives from Struct alone
+    _RebaseEdit: TypeAlias = "RebaseEdit"
+    _PurgeMode: TypeAlias = "PurgeMode"
+    _EventBody: TypeAlias = "EventBody"
+    _Tier: TypeAlias = "Tier"
+    _Request: TypeAlias = "Request"
+    _Response: TypeAlias = "Response"
+else:
+    _RebaseEdit = _PurgeMode = _EventBody = _Tier = _Request = _Response = object
+
 
 # ---- shared structs ----
 
@@ -76,13 +89,13 @@ class GenParams(Struct):
 class RebaseEdit(Enum):
     """One edit of a Rebase: half-open ranges of event ids."""
 
-    class Drop(Struct):
+    class Drop(Struct, _RebaseEdit):
         """Leave out events [from, to)."""
 
         from_: U64
         to: U64
 
-    class Replace(Struct):
+    class Replace(Struct, _RebaseEdit):
         """Put one new message where events [from, to) were."""
 
         from_: U64
@@ -94,41 +107,41 @@ class RebaseEdit(Enum):
 class PurgeMode(Enum):
     """What happens to a purged session's descendants."""
 
-    class Cascade(Struct):
+    class Cascade(Struct, _PurgeMode):
         """Purge every descendant too."""
 
-    class Reroot(Struct):
+    class Reroot(Struct, _PurgeMode):
         """Keep the children, each taking its inherited history as its own."""
 
 
 class EventBody(Enum):
     """One record of the session log."""
 
-    class Created(Struct):
+    class Created(Struct, _EventBody):
         """A new session (event 0): its sampling, and the session it was created under, if any."""
 
         parent: U64 | None
         params: GenParams
 
-    class Appended(Struct):
+    class Appended(Struct, _EventBody):
         """Raw tokens put on the input, with the text they came from if any."""
 
         text: str | None
         span: list[U32]
 
-    class Message(Struct):
+    class Message(Struct, _EventBody):
         """A message of a role, rendered through the chat template into `span`."""
 
         role: U32
         text: str
         span: list[U32]
 
-    class GenerationPrompt(Struct):
+    class GenerationPrompt(Struct, _EventBody):
         """The assistant opener a generation started its turn with."""
 
         span: list[U32]
 
-    class Generated(Struct):
+    class Generated(Struct, _EventBody):
         """A run of generated tokens in one channel; `finish` is set on a turn's last run."""
 
         span: list[U32]
@@ -136,47 +149,47 @@ class EventBody(Enum):
         channel: U32
         finish: U32
 
-    class ToolUse(Struct):
+    class ToolUse(Struct, _EventBody):
         """A tool call the model made; its event id is the call id."""
 
         name: str
         arguments: str
 
-    class ToolResult(Struct):
+    class ToolResult(Struct, _EventBody):
         """The answer to a tool call, rendered as a tool turn."""
 
         call_id: U64
         content: str
         span: list[U32]
 
-    class EpochBump(Struct):
+    class EpochBump(Struct, _EventBody):
         """The daemon restarted: later events carry the next epoch."""
 
-    class GenerationFingerprint(Struct):
+    class GenerationFingerprint(Struct, _EventBody):
         """What generated the following tokens: the model and its template."""
 
         digest: U64
 
-    class ToolParseFailure(Struct):
+    class ToolParseFailure(Struct, _EventBody):
         """Tool-call text that could not be read as a call."""
 
         raw: str
 
-    class Forked(Struct):
+    class Forked(Struct, _EventBody):
         """A fork's first own event, at `fork_at`: events before it are the parent's."""
 
         parent: U64
         fork_at: U64
         params: GenParams
 
-    class MetaUpdated(Struct):
+    class MetaUpdated(Struct, _EventBody):
         """New title or archived flag; `version` counts the updates."""
 
         version: U64
         title: str | None
         archived: bool | None
 
-    class Rebased(Struct):
+    class Rebased(Struct, _EventBody):
         """A rebased branch's first own event, at the first edit's `from`."""
 
         parent: U64
@@ -184,31 +197,31 @@ class EventBody(Enum):
         params: GenParams
         edits: list[RebaseEdit]
 
-    class ToolExpired(Struct):
+    class ToolExpired(Struct, _EventBody):
         """A tool call closed without a result."""
 
         call_id: U64
         reason: str
 
-    class Purged(Struct):
+    class Purged(Struct, _EventBody):
         """The session was purged (not kept in its event list)."""
 
         generation: U64
         descendants: PurgeMode
 
-    class Rerooted(Struct):
+    class Rerooted(Struct, _EventBody):
         """The parent was purged: the inherited history, copied in."""
 
         purged_parent: U64
         prefix: list[tuple[U64, EventBody]]
 
-    class QosSet(Struct):
+    class QosSet(Struct, _EventBody):
         """The session's scheduling class."""
 
         class_: U8
         batch_invariant: bool
 
-    class Block(Struct):
+    class Block(Struct, _EventBody):
         """A structured block (diff, artifact, citation...) and the text it put on the input."""
 
         role: U32
@@ -217,43 +230,43 @@ class EventBody(Enum):
         span: list[U32]
         visibility_version: U32
 
-    class PermissionRequest(Struct):
+    class PermissionRequest(Struct, _EventBody):
         """A question for the user; its event id is the request id."""
 
         call_id: U64
         text: str
 
-    class PermissionResponse(Struct):
+    class PermissionResponse(Struct, _EventBody):
         """The user's answer to a permission request."""
 
         request_id: U64
         granted: bool
 
-    class ToolCancelRequested(Struct):
+    class ToolCancelRequested(Struct, _EventBody):
         """The client asked a running tool call to stop."""
 
         call_id: U64
 
-    class ToolOutcome(Struct):
+    class ToolOutcome(Struct, _EventBody):
         """A tool call ended without a result: 1 failed, 2 cancelled."""
 
         call_id: U64
         outcome: U8
         note: str
 
-    class ToolReconciliation(Struct):
+    class ToolReconciliation(Struct, _EventBody):
         """A result that arrived after its call had already ended."""
 
         call_id: U64
         note: str
 
-    class ToolLease(Struct):
+    class ToolLease(Struct, _EventBody):
         """The deadline of a tool call's executor lease."""
 
         call_id: U64
         deadline_unix_ms: U64
 
-    class Pinned(Struct):
+    class Pinned(Struct, _EventBody):
         """Keep the session's prefix cached until the deadline (0 clears)."""
 
         deadline_unix_ms: U64
@@ -308,16 +321,16 @@ class LedgerEntry(Struct):
 class Tier(Enum):
     """Where a session's KV state lives."""
 
-    class Resident(Struct):
+    class Resident(Struct, _Tier):
         """A generation is running."""
 
-    class Parked(Struct):
+    class Parked(Struct, _Tier):
         """The KV state is parked on disk."""
 
         covered: U64
         encoding: U8
 
-    class Cold(Struct):
+    class Cold(Struct, _Tier):
         """Nothing is held for it."""
 
 
@@ -343,27 +356,27 @@ class Inspection(Struct):
 class Request(Enum):
     """What a client asks of the daemon."""
 
-    class Create(Struct):
+    class Create(Struct, _Request):
         """A new session, optionally linked to a parent."""
 
         parent: U64 | None
         params: GenParams
 
-    class Append(Struct):
+    class Append(Struct, _Request):
         """Raw tokens (or text tokenized as is, markers included)."""
 
         session: U64
         text: str | None
         span: list[U32]
 
-    class AppendMessage(Struct):
+    class AppendMessage(Struct, _Request):
         """A message of role 0 system, 1 user or 2 assistant."""
 
         session: U64
         role: U32
         text: str
 
-    class Generate(Struct):
+    class Generate(Struct, _Request):
         """Generate the next turn (or continue a cut one).
 
         `ignore_eos` (an extension, left off the wire when unset) bans end-of-generation
@@ -374,60 +387,60 @@ class Request(Enum):
         max_tokens: U32
         ignore_eos: Annotated[bool | None, TrailingOptional()] = None
 
-    class Read(Struct):
+    class Read(Struct, _Request):
         """The events from `cursor` on."""
 
         session: U64
         cursor: U64
 
-    class AppendToolResult(Struct):
+    class AppendToolResult(Struct, _Request):
         """Answer an open tool call."""
 
         session: U64
         call_id: U64
         content: str
 
-    class OpenToolCalls(Struct):
+    class OpenToolCalls(Struct, _Request):
         """The session's unanswered tool calls."""
 
         session: U64
 
-    class List(Struct):
+    class List(Struct, _Request):
         """The ids of live sessions."""
 
-    class Cancel(Struct):
+    class Cancel(Struct, _Request):
         """Stop the session's generation in flight."""
 
         session: U64
 
-    class Subscribe(Struct):
+    class Subscribe(Struct, _Request):
         """The events from `cursor` on, then live ones, on this connection."""
 
         session: U64
         cursor: U64
         provisional: bool
 
-    class Unsubscribe(Struct):
+    class Unsubscribe(Struct, _Request):
         """End a subscription."""
 
         sub: U64
 
-    class Fork(Struct):
+    class Fork(Struct, _Request):
         """A new session holding the events before `at_event`."""
 
         session: U64
         at_event: U64
         params: GenParams | None
 
-    class Tree(Struct):
+    class Tree(Struct, _Request):
         """Every unarchived session as (id, parent, fork_at)."""
 
-    class Sessions(Struct):
+    class Sessions(Struct, _Request):
         """A summary of every live session."""
 
         include_archived: bool
 
-    class SetMeta(Struct):
+    class SetMeta(Struct, _Request):
         """Set the title or archived flag, if the version still matches."""
 
         session: U64
@@ -435,46 +448,46 @@ class Request(Enum):
         title: str | None
         archived: bool | None
 
-    class Rebase(Struct):
+    class Rebase(Struct, _Request):
         """A new branch with events dropped or replaced."""
 
         session: U64
         edits: list[RebaseEdit]
         params: GenParams | None
 
-    class Purge(Struct):
+    class Purge(Struct, _Request):
         """Remove a session (and its descendants, or reroot them)."""
 
         session: U64
         expected_generation: U64
         mode: PurgeMode
 
-    class SetQos(Struct):
+    class SetQos(Struct, _Request):
         """The session's scheduling class: 0 interactive to 3 background."""
 
         session: U64
         class_: U8
         batch_invariant: bool
 
-    class SetBackgroundRate(Struct):
+    class SetBackgroundRate(Struct, _Request):
         """Run agent and background lanes only every `divisor`-th step."""
 
         divisor: U32
 
-    class Inspect(Struct):
+    class Inspect(Struct, _Request):
         """Everything about a session."""
 
         session: U64
 
-    class SetLogLevel(Struct):
+    class SetLogLevel(Struct, _Request):
         """Change logging, with a directive such as `superfluid=debug`."""
 
         directive: str
 
-    class Metrics(Struct):
+    class Metrics(Struct, _Request):
         """The Prometheus exposition."""
 
-    class AppendBlock(Struct):
+    class AppendBlock(Struct, _Request):
         """A structured block of kind 1 to 6."""
 
         session: U64
@@ -482,27 +495,27 @@ class Request(Enum):
         kind: U32
         payload: str
 
-    class RequestPermission(Struct):
+    class RequestPermission(Struct, _Request):
         """Ask the user before going on; generation waits for the answer."""
 
         session: U64
         call_id: U64
         text: str
 
-    class RespondPermission(Struct):
+    class RespondPermission(Struct, _Request):
         """Answer a permission request."""
 
         session: U64
         request_id: U64
         granted: bool
 
-    class RequestToolCancel(Struct):
+    class RequestToolCancel(Struct, _Request):
         """Ask a running tool call to stop."""
 
         session: U64
         call_id: U64
 
-    class AppendToolOutcome(Struct):
+    class AppendToolOutcome(Struct, _Request):
         """End a tool call without a result: 1 failed, 2 cancelled."""
 
         session: U64
@@ -510,18 +523,18 @@ class Request(Enum):
         outcome: U8
         note: str
 
-    class Ledger(Struct):
+    class Ledger(Struct, _Request):
         """Every tool call of the session and its state."""
 
         session: U64
 
-    class PutMedia(Struct):
+    class PutMedia(Struct, _Request):
         """Store a blob; answers its sha256."""
 
         bytes: Blob
         mime: str
 
-    class AppendImage(Struct):
+    class AppendImage(Struct, _Request):
         """An image from the media store, between two texts."""
 
         session: U64
@@ -530,10 +543,10 @@ class Request(Enum):
         pre_text: str
         post_text: str
 
-    class GcMedia(Struct):
+    class GcMedia(Struct, _Request):
         """Remove blobs no session references."""
 
-    class Complete(Struct):
+    class Complete(Struct, _Request):
         """Fill in the middle between `prefix` and `suffix` (0 PSM, 1 SPM)."""
 
         prefix: str
@@ -541,19 +554,19 @@ class Request(Enum):
         mode: U8
         max_tokens: U32
 
-    class Trim(Struct):
+    class Trim(Struct, _Request):
         """A new session holding the events before `to_event`."""
 
         session: U64
         to_event: U64
 
-    class Pin(Struct):
+    class Pin(Struct, _Request):
         """Keep the session's prefix cached for `ttl_ms` (0 clears)."""
 
         session: U64
         ttl_ms: U64
 
-    class AppendSystem(Struct):
+    class AppendSystem(Struct, _Request):
         """Open the session with a system turn that declares tools."""
 
         session: U64
@@ -564,25 +577,25 @@ class Request(Enum):
 class Response(Enum):
     """What the daemon answers."""
 
-    class Created(Struct):
+    class Created(Struct, _Response):
         """The new session's id."""
 
         session: U64
 
-    class Delta(Struct):
+    class Delta(Struct, _Response):
         """An event a generation committed."""
 
         event: EventMsg
 
-    class Cancelling(Struct):
+    class Cancelling(Struct, _Response):
         """The generation will stop at its next step."""
 
-    class Committed(Struct):
+    class Committed(Struct, _Response):
         """The event the request committed."""
 
         event: EventMsg
 
-    class Generated(Struct):
+    class Generated(Struct, _Response):
         """A generation's summary: its events, tokens, finish code and warm prefix."""
 
         events: list[EventMsg]
@@ -590,103 +603,103 @@ class Response(Enum):
         finish: U32
         warm_prefix: U64
 
-    class Events(Struct):
+    class Events(Struct, _Response):
         """Events of a session."""
 
         events: list[EventMsg]
 
-    class Sessions(Struct):
+    class Sessions(Struct, _Response):
         """Ids of live sessions."""
 
         ids: list[U64]
 
-    class ToolCalls(Struct):
+    class ToolCalls(Struct, _Response):
         """Open tool calls as (call id, name, arguments)."""
 
         calls: list[tuple[U64, str, str]]
 
-    class Subscribed(Struct):
+    class Subscribed(Struct, _Response):
         """The new subscription's id."""
 
         sub: U64
 
-    class SubEvent(Struct):
+    class SubEvent(Struct, _Response):
         """An event for a subscription."""
 
         sub: U64
         event: EventMsg
 
-    class SubProvisional(Struct):
+    class SubProvisional(Struct, _Response):
         """Text ahead of its commit, for a subscription."""
 
         sub: U64
         channel: U32
         text: str
 
-    class SubEnded(Struct):
+    class SubEnded(Struct, _Response):
         """A subscription ended: unsubscribed, lagged, publisher closed or purged."""
 
         sub: U64
         reason: str
 
-    class Unsubscribed(Struct):
+    class Unsubscribed(Struct, _Response):
         """The subscription is ended."""
 
-    class Err(Struct):
+    class Err(Struct, _Response):
         """The request was refused; nothing was written."""
 
         message: str
 
-    class Tree(Struct):
+    class Tree(Struct, _Response):
         """Sessions as (id, parent, fork_at)."""
 
         nodes: list[tuple[U64, U64 | None, U64]]
 
-    class SessionList(Struct):
+    class SessionList(Struct, _Response):
         """Session summaries."""
 
         sessions: list[SessionSummary]
 
-    class Meta(Struct):
+    class Meta(Struct, _Response):
         """The new metadata version."""
 
         version: U64
 
-    class Purged(Struct):
+    class Purged(Struct, _Response):
         """The purged sessions, descendants first."""
 
         sessions: list[U64]
 
-    class Ack(Struct):
+    class Ack(Struct, _Response):
         """Done."""
 
-    class Inspection(Struct):
+    class Inspection(Struct, _Response):
         """Everything about a session."""
 
         inspection: Inspection
 
-    class Text(Struct):
+    class Text(Struct, _Response):
         """Text, such as the metrics exposition."""
 
         text: str
 
-    class Ledger(Struct):
+    class Ledger(Struct, _Response):
         """Tool calls and their states."""
 
         entries: list[tuple[U64, LedgerEntry]]
 
-    class Media(Struct):
+    class Media(Struct, _Response):
         """The stored blob's sha256."""
 
         hash: str
 
-    class Gc(Struct):
+    class Gc(Struct, _Response):
         """Blobs kept and removed."""
 
         kept: U64
         removed: U64
 
-    class Completion(Struct):
+    class Completion(Struct, _Response):
         """A fill-in-the-middle answer; `cached` when it came from the recent results."""
 
         text: str
@@ -694,17 +707,17 @@ class Response(Enum):
         cached: bool
         expired: bool
 
-    class Pinned(Struct):
+    class Pinned(Struct, _Response):
         """The pin's deadline."""
 
         deadline_unix_ms: U64
 
-    class Throttled(Struct):
+    class Throttled(Struct, _Response):
         """Too many Complete requests: retry after this many milliseconds."""
 
         retry_after_ms: U64
 
-    class Elsewhere(Struct):
+    class Elsewhere(Struct, _Response):
         """Another daemon sharing the store serves the session: send its requests to `address`."""
 
         session: U64

@@ -18,6 +18,7 @@ truth, and a session with nothing parked is prefilled.
 
 from __future__ import annotations
 
+import builtins  # `bytes` in annotations inside Park would name its property
 import contextlib
 import hashlib
 import logging
@@ -176,7 +177,7 @@ class Park:
 
     # ---- writing ----
 
-    def put(self, tokens: np.ndarray, state: bytes) -> None:
+    def put(self, tokens: np.ndarray, state: builtins.bytes) -> None:
         """Park `state` (the KV of `tokens`) on the writer thread; returns at once. A state parked
         already, or on its way, is not queued twice."""
         name = _name(tokens)
@@ -216,7 +217,7 @@ class Park:
                 with self._lock:
                     self._pending.discard(_name(tokens))
 
-    def _write(self, tokens: np.ndarray, state: bytes) -> None:
+    def _write(self, tokens: np.ndarray, state: builtins.bytes) -> None:
         name = _name(tokens)
         path = self.directory / name
         temporary = self.directory / f".{name}.{os.getpid()}.tmp"
@@ -264,7 +265,7 @@ class Park:
                     best = (entry, length)
         return best
 
-    def read(self, entry: ParkedEntry) -> bytes | None:
+    def read(self, entry: ParkedEntry) -> builtins.bytes | None:
         """The state of a parked entry; None (the file deleted, counted) when it fails a check."""
         try:
             data = entry.path.read_bytes()

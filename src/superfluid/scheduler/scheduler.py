@@ -185,7 +185,8 @@ class Scheduler:
         self.on_tick = on_tick
         self.now_ms = now_ms
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
-        self.gate = SpecGate(speculation.min_speedup) if self.speculation and self.speculation.mode == "auto" else None
+        auto = self.speculation is not None and self.speculation.mode == "auto"
+        self.gate = SpecGate(self.speculation.min_speedup) if self.speculation is not None and auto else None
         self.stats = SchedulerStats()
         self.tiers = KVTiers(engine, self.stats, host_cache_bytes=host_cache_bytes, park=park, now_ms=now_ms)
         self.lanes: list[Lane] = []
@@ -546,8 +547,8 @@ class Scheduler:
         positions = np.concatenate([np.arange(start, start + len(chunk), dtype=np.int32) for _, chunk, start in plan])
         seqs = np.concatenate([np.full(len(chunk), lane.seq, dtype=np.int32) for lane, chunk, _ in plan])
         want = np.zeros(len(tokens), dtype=np.int8)
-        owners = []
-        draws = []
+        owners: list[tuple[Lane, int]] = []
+        draws: list[Draw] = []
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
         draft = self._draft_length(len(plan), decode_only)
@@ -615,8 +616,7 @@ class Scheduler:
             else:
                 self.stats.prefill_tokens += len(chunk)
         for lane, index in owners:
-            tokens = drawn[index]
-            for i, token in enumerate(tokens):
+            for i, token in enumerate(drawn[index]):
                 if i:
                     lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
                     self.stats.decode_tokens += 1

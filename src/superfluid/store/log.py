@@ -40,7 +40,12 @@ class SessionLog(Protocol):
     """Append-only event log of all sessions: an append is durable when it returns."""
 
     store_id: bytes
-    leases: Leases | None  # None: this daemon is the log's only writer
+
+    @property
+    def leases(self) -> Leases | None:
+        """None: this daemon is the log's only writer (read-only here, so a log that always
+        has leases may declare them as `Leases`)."""
+        ...
 
     def empty(self) -> bool: ...
 

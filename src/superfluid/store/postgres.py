@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..protocol.schema import EventBody, EventMsg
 from .errors import StoreError
@@ -38,7 +38,7 @@ POOL_SIZE = 4
 CHANNEL = "superfluid_commits"
 RETRY_S = 8.0  # how long a dropped connection is retried before the caller hears of it
 CONNECT_S = 2.0  # a wait for a pooled connection, retried within RETRY_S
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 T = TypeVar("T")
 FORKS = (EventBody.Forked, EventBody.Rebased)  # a record that starts a session from a parent's events
 STARTS = (EventBody.Created, *FORKS)  # a record that starts a session
@@ -136,7 +136,9 @@ class PostgresLog:
                 (str(SCHEMA_VERSION).encode(), str(SCHEMA_VERSION).encode()),
             )
             db.execute("INSERT INTO store (key, value) VALUES ('id', %s) ON CONFLICT DO NOTHING", (os.urandom(16),))
-            return bytes(db.execute("SELECT value FROM store WHERE key = 'id'").fetchone()[0])
+            # the row is there by construction: inserted just above unless it already was
+            row = cast(tuple[Any, ...], db.execute("SELECT value FROM store WHERE key = 'id'").fetchone())
+            return bytes(row[0])
 
     def run(self, work: Callable[[Any], T], landed: Callable[[Any], bool] | None = None) -> T:
         """`work(db)` on a pooled connection, again while the server drops connections (restarting,

@@ -54,7 +54,10 @@ class SessionStore:
         if self.log.leases is not None:
             # a lost lease's sessions are replayed when next used; their runs end at their next commit
             self.log.leases.on_lost = self.forget
+        # Writers hold `lock` from their checks through their commit, so a session changes under one
+        # writer at a time; readers never take it (a record is applied only once it is on disk).
         self.lock = threading.RLock()
+        self._all_loaded = False  # every session of the log is in `table` (a log of its own only)
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
 
@@ -95,12 +98,13 @@ class SessionStore:
         else a replay that is not kept (and takes no lease)."""
         if self.leases is None:
             return self.get(session_id)
-        with self.lock:
-            return self._viewed([session_id]).get(session_id)
+        return self._viewed([session_id]).get(session_id)
 
     def _viewed(self, session_ids: Sequence[int]) -> dict[int, SessionState]:
         """Sessions to read: those served here as they are, the others from `views`, replayed when
-        missing (the store's announcements drop a view when another daemon commits to its session)."""
+        missing (the store's announcements drop a view when another daemon commits to its session).
+        No lock: the log's pool serves replays beside commits, and two readers replaying one view
+        at once only replay it twice."""
         found = {}
         for session_id in session_ids:
             state = self.table.sessions.get(session_id) or self.views.get(session_id)
@@ -115,20 +119,22 @@ class SessionStore:
 
     def stale(self, session_id: int | None = None) -> None:
         """Another daemon committed to the session (None: maybe to any): its view is read again."""
-        with self.lock:
-            if session_id is None:
-                self.views.clear()
-            else:
-                self.views.pop(session_id, None)
+        if session_id is None:
+            self.views.clear()
+        else:
+            self.views.pop(session_id, None)
 
     def live(self) -> list[SessionState]:
         """Sessions not purged, in id order (every session of the log is loaded for it, or on a shared
         log replayed to read)."""
-        with self.lock:
-            if self.leases is not None:
-                return [s for _, s in sorted(self._viewed(self.log.sessions()).items()) if not s.purged]
-            self._load(self.log.sessions())
-            return [s for _, s in sorted(self.table.sessions.items()) if not s.purged]
+        if self.leases is not None:
+            return [s for _, s in sorted(self._viewed(self.log.sessions()).items()) if not s.purged]
+        if not self._all_loaded:
+            with self.lock:
+                self._load(self.log.sessions())
+                # alone on its log, this daemon sees every later session come through its own commits
+                self._all_loaded = True
+        return [s for _, s in sorted(list(self.table.sessions.items())) if not s.purged]
 
     def pinned(self) -> list[SessionState]:
         """Live sessions whose pin has not run out (on a shared log, read without taking them: any

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from ..protocol.schema import EventMsg
 from .leases import Leases
@@ -187,7 +188,7 @@ _LINEAGE_SQL = {
 }
 
 
-def _take_lock(path: Path, wait_s: float = 3.0) -> object:
+def _take_lock(path: Path, wait_s: float = 3.0) -> TextIO:
     handle = open(path, "a+")  # noqa: SIM115 - held for the life of the log
     deadline = time.monotonic() + wait_s
     while True:

@@ -13,8 +13,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from ..core.bus import END_UNSUBSCRIBED, SubEnded, Subscription
-from ..core.daemon import REFUSED, Daemon, Generation, refusal
+from ..core.daemon import Daemon
+from ..core.errors import REFUSED, refusal
 from ..core.generation import Committed, Done
+from ..core.verbs.generate import Generation
 from ..protocol.schema import Request, Response
 from .ratelimit import TokenBucket, retry_after_ms
 
@@ -47,7 +49,7 @@ class Connection:
 
     async def _generate(self, request: Request.Generate) -> None:
         try:
-            generation = self.daemon.generate(request, provisional=False)
+            generation = await self.daemon.generate(request, provisional=False)
         except REFUSED as e:
             await self.send(refusal(e))
             return

@@ -34,8 +34,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..core.daemon import REFUSED, STREAMED, Daemon, DaemonError, refusal
+from ..core.constraints import ConstraintError, constraint_grammar
+from ..core.daemon import Daemon
+from ..core.errors import REFUSED, refusal
 from ..core.generation import Committed, Done, Provisional
+from ..core.verbs.generate import STREAMED
+from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import jsoncodec
 from ..protocol.schema import Request
 from ..protocol.schema import Response as Reply
@@ -249,10 +253,15 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             return parsed
         body, ask = parsed
         try:
-            grammar = daemon.grammar_for(
-                gbnf=body.get("grammar"), json_schema=body.get("json_schema"), tool=body.get("tool")
+            tool = body.get("tool")
+            function = normalize_tool(tool)["function"] if tool else None
+            grammar = constraint_grammar(
+                daemon.template,
+                gbnf=body.get("grammar"),
+                json_schema=body.get("json_schema"),
+                tools=[(function["name"], function["parameters"])] if function else None,
             )
-        except DaemonError as e:
+        except (ConstraintError, ToolDeclarationError) as e:
             return _err(422, f"invalid stream request: {e}")
         if daemon.store.leases is not None:
             try:
@@ -290,7 +299,7 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
     """One generation as SSE frames; the client going away cancels it."""
     try:
         generate = Request.Generate(ask.session, ask.max_tokens, ask.ignore_eos)
-        generation = daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
+        generation = await daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
     except REFUSED as e:
         yield _frame({"error": str(e)})
         yield "data: [DONE]\n\n"
