@@ -18,6 +18,10 @@ MAX_FRAME = 64 << 20
 KERNELS = ("fast", "exact")  # which llama.cpp build a model runs on (superfluid.engine.build)
 
 
+# the runtimes a model may name (`--runtime`, a load request's `runtime`), by the names people use for them
+RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
+
+
 def default_host_cache_mb() -> int:
     """Host memory for evicted prefixes: a quarter of the machine's memory, at most 2 GiB."""
     try:

@@ -312,7 +312,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 qos=qos,
                 batch_invariant=invariant,
             )
-            run = ChatRun(daemon, request, runtime)
+            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
         reply_id = f"msg_superfluid_{next(_ids)}"

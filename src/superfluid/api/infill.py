@@ -105,7 +105,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 batch_invariant=invariant,
                 shaping=shaped.shaping(runtime.sampling),
             )
-            run = ChatRun(daemon, request, runtime)
+            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, e.code)
         name = body.model or runtime.id

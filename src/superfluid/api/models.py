@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
-from ..cli.serve_flags import RUNTIMES
+from ..config import RUNTIMES
 from ..core.daemon import Daemon
 from ..core.runtime import ModelError
 from .openai import Body, error

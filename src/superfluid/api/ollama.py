@@ -220,7 +220,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 tool_choice=body.tool_choice or "auto",
                 template_vars=switches if think is not None else {},
             )
-            run = ChatRun(daemon, request, runtime)
+            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
         except ToolDeclarationError as e:
@@ -250,7 +250,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                     {"role": "user", "content": body.prompt}
                 ]
                 request = _request(runtime, http, policy, messages, body.options, body.format)
-            run = ChatRun(daemon, request, runtime)
+            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
         return await _respond(run, http, policy, body.model or _tag(runtime.id), body.stream, chat=False)

@@ -209,7 +209,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 shaping=body.shaping(runtime.sampling, logprobs),
                 template_vars=body.template_vars(),
             )
-            runs = [ChatRun(daemon, one, runtime) for one in choice_requests(request, n)]
+            runs = [await ChatRun.open(daemon, one, runtime) for one in choice_requests(request, n)]
         except ToolDeclarationError as e:
             return error(str(e), param="tools")
         except ChatError as e:
@@ -243,7 +243,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
                 batch_invariant=invariant,
                 shaping=body.shaping(runtime.sampling, logprobs),
             )
-            run = ChatRun(daemon, request, runtime)
+            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, e.code, e.param)
         reply_id = f"cmpl-superfluid-{next(_ids)}"

@@ -259,7 +259,7 @@ class Responses:
             template_vars=variables,
             fork=fork,
         )
-        run = ChatRun(self.daemon, request, runtime)
+        run = await ChatRun.open(self.daemon, request, runtime)
         name = body.model or runtime.id
         return Turn(new_id("resp"), int(time.time()), name, _owner(http), body, items, history, head, run)
 

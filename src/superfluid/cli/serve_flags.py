@@ -22,6 +22,7 @@ from ..config import (
     DEFAULT_HTTP,
     DEFAULT_MAX_BATCH,
     KERNELS,
+    RUNTIMES,
     SamplingDefaults,
     ServeConfig,
     default_sessions,
@@ -32,7 +33,6 @@ from ..model.dialects import DIALECTS, NAMES
 from ..protocol.schema import QOS_ALIASES, qos_class
 from ..transports.addresses import split_address
 
-RUNTIMES = {"llamacpp": "llamacpp", "llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "auto": "auto"}
 SPECULATE = ("off", "auto", "prompt-lookup")
 DEFAULT_PORT = 8453
 

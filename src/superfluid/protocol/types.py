@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -157,6 +158,9 @@ class EnumShape:
 Shape = PrimShape | FixedShape | VecShape | OptionShape | TupleShape | StructShape | EnumShape
 
 _shapes: dict[type, StructShape | EnumShape] = {}
+# A shape is registered before its parts are filled in (an enum may nest itself): another thread must not
+# read it half-made, so the registry is built under one lock, which the building thread re-enters.
+_shapes_lock = threading.RLock()
 
 _PLAIN = {bool: BOOL_T, str: STR_T, bytes: BLOB_T}
 
@@ -192,13 +196,18 @@ def shape_of(tp: Any) -> Any:
 
 
 def _class_shape(cls: type) -> StructShape | EnumShape:
+    with _shapes_lock:
+        return _built_shape(cls)
+
+
+def _built_shape(cls: type) -> StructShape | EnumShape:
     cached = _shapes.get(cls)
     if cached is not None:
         return cached
     if issubclass(cls, Enum):
         enum_shape = EnumShape(cls)
         _shapes[cls] = enum_shape  # registered first: enums may nest themselves
-        enum_shape.variants = tuple(_class_shape(v) for v in cls.variants)  # type: ignore[misc]
+        enum_shape.variants = tuple(_built_shape(v) for v in cls.variants)  # type: ignore[misc]
         return enum_shape
     struct_shape = StructShape(cls)
     _shapes[cls] = struct_shape
