@@ -11,8 +11,9 @@ from fake_engine import VOCAB, FakeEngine, next_of
 from superfluid.engine.drafting import Arm
 from superfluid.engine.sampling import splitmix64
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
-from superfluid.scheduler import scheduler as scheduler_module
-from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Job, Scheduler
+from superfluid.scheduler import pace as pace_module
+from superfluid.scheduler.job import Job
+from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Scheduler
 from superfluid.scheduler.speculate import (
     CHANGED,
     HOLD_MAX,
@@ -336,9 +337,9 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
         scheduler.stop()
     assert len(out) == 61, "a run never draws past max_tokens"
     assert context.calls < 61 / 2, f"{context.calls} engine calls for 61 tokens"
-    monkeypatch.setattr(scheduler_module, "MAX_RUN", 1)
+    monkeypatch.setattr(pace_module, "MAX_RUN", 1)
     assert alone(prompt, 61) == out, "a run draws what one call per token draws"
-    monkeypatch.setattr(scheduler_module, "MAX_RUN", 8)
+    monkeypatch.setattr(pace_module, "MAX_RUN", 8)
     window = Scheduler(FakeEngine(sequences=2, window=64), lanes=1, window=64)
     window.start()
     try:
@@ -355,10 +356,7 @@ def speculating(
 ) -> Scheduler:
     settings = SpecSettings(mode, draft_tokens=4, adaptive=True, min_speedup=1.08, exact=exact)
     context = FakeEngine(sequences=4, window=512, delay=delay, model=model, position_delay=position_delay)
-    scheduler = Scheduler(context, lanes=2, window=512)
-    scheduler.speculation = settings
-    scheduler.gate = SpecGate(settings.min_speedup) if mode == "auto" else None
-    return scheduler
+    return Scheduler(context, lanes=2, window=512, speculation=settings)
 
 
 def generate_on(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int, **kw: object) -> list[list[int]]:
@@ -475,8 +473,9 @@ def test_auto_keeps_drafts_only_where_they_pay(truncate_delay: float) -> None:
     out = generate_on(scheduler, prompts, 600)
     plain = Scheduler(FakeEngine(sequences=4, window=512, model=_stutter), lanes=2, window=512)
     assert out == generate_on(plain, prompts, 600)
-    assert scheduler.gate is not None
-    probe = scheduler.gate.probe(1)
+    gate = scheduler.speculation.gate
+    assert gate is not None
+    probe = gate.probe(1)
     assert probe.decisions, "it probed"
     if truncate_delay:
         assert probe.speedup < 1.0 and not probe.drafting, "drafts lost, and stopped"

@@ -36,7 +36,8 @@ from ..protocol.schema import (
     EventMsg,
     GenParams,
 )
-from ..scheduler.scheduler import Job, Scheduler
+from ..scheduler.job import Job
+from ..scheduler.scheduler import Scheduler
 from ..store.leases import LeaseLost
 from ..store.sessions import SessionStore
 from .bus import Committed, Provisional

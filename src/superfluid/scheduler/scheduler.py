@@ -38,14 +38,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from ..engine.grammar import GrammarError
 from ..engine.interface import Draw, Engine, EngineError, KVFull, Step, WorkerGone
-from ..engine.shaping import REPEAT_WINDOW, LogprobRow, Shaping
+from ..engine.shaping import REPEAT_WINDOW, LogprobRow
 from ..protocol.schema import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -58,10 +56,12 @@ from ..protocol.schema import (
     QOS_COMPLETION,
     GenParams,
 )
+from .job import Job, Lane
 from .kv_tiers import KVTiers
+from .pace import Pace
 from .park import Park
 from .prefix_cache import common_prefix
-from .speculate import SpecGate, SpecSettings
+from .speculate import SpecPolicy, SpecSettings
 from .stats import QOS_CLASSES, TIERS, SchedulerStats
 
 log = logging.getLogger("superfluid.scheduler")
@@ -71,83 +71,9 @@ HOLD_MIN_TOKENS = 128  # a prefix shared with a prefilling lane at least this lo
 SHORT_PREFILL = 256  # a job with at most this much prompt left to prefill is short: it never waits for long ones
 LONG_PREFILL = 1024  # a lane with more than this left to prefill gives its lane to a short job
 BUSY_TICK_S = 0.25  # tick length while every lane is busy
-# A step's work: what an interactive arrival may have to wait for. Prefill chunks of 16-32
-# tokens run 10-15% slower than chunks of 64-256 (the weights are read once a step), so steps
-# are not made shorter than an arrival needs.
-STEP_TARGET_S = 0.2
-STEP_URGENT_S = 0.12  # the same while interactive or completion work has come lately
-URGENT_WINDOW_S = 300.0
-MIN_PREFILL = 16
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is parked this often
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
-# a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
-# and this loop are paid once), as long as nobody waits for admission, up to this long: an
-# arrival waits at most that for its lane
-RUN_S = 0.04
-MAX_RUN = 8
-
-
-def _smoothed(average: float, sample: float) -> float:
-    """A moving average that follows the last few dozen samples; the first sample starts it."""
-    return sample if average == 0.0 else 0.9 * average + 0.1 * sample
-
-
-class JobSink(Protocol):
-    """Receives a job's output on the scheduler thread."""
-
-    def tokens(self, job: Job, tokens: list[int]) -> None: ...
-
-    def finished(self, job: Job, finish: int, error: str | None) -> None: ...
-
-
-@dataclass(eq=False)
-class Job:
-    """One generation: continue `tokens` by up to `max_tokens` sampled tokens.
-
-    A job with `prefill_only` samples nothing: it fills the cache with its tokens.
-    """
-
-    tokens: list[int]
-    params: GenParams
-    max_tokens: int
-    sink: JobSink
-    qos: int = QOS_AGENT
-    batch_invariant: bool = False
-    prefill_only: bool = False
-    ignore_eos: bool = False  # end-of-generation tokens are never drawn: the job runs to max_tokens
-    grammar: str | None = None  # GBNF every token must follow; the engine holds its state
-    grammar_handle: int = 0
-    shaping: Shaping | None = None  # bias, penalties, log probabilities; the engine holds its state
-    shaping_handle: int = 0
-    logprobs: list[LogprobRow] = field(default_factory=list)  # of tokens drawn, until the sink takes them
-    cancelled: bool = False
-    warm_prefix: int = 0
-    generated: int = 0
-    admitted: bool = False
-    done: bool = False
-    queued_at: int = 0  # the step it was queued at, for aging
-    submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
-    order: int = 0  # first come, first served within a class
-    session: int | None = None  # whose generation it is, for the views of the lanes; the scheduler ignores it
-    drafter_handle: int = 0  # its prompt lookup in the engine, under --speculate
-    spec_proposed: int = 0  # drafted tokens put into its decodes
-    spec_accepted: int = 0  # of them, those it would have drawn anyway
-
-
-@dataclass(eq=False)
-class Lane:
-    """A job running on a slot: `held` is in the KV slot, `feed` goes in next."""
-
-    seq: int
-    job: Job
-    held: list[int]
-    feed: list[int]
-    admitted: int  # admission order, newest preempted first
-
-    @property
-    def decoding(self) -> bool:
-        return len(self.feed) == 1 and self.job.generated > 0
 
 
 class _Quiet:
@@ -184,17 +110,12 @@ class Scheduler:
         self.tick_s = tick_ms / 1000.0
         self.on_tick = on_tick
         self.now_ms = now_ms
-        self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
-        auto = self.speculation is not None and self.speculation.mode == "auto"
-        self.gate = SpecGate(self.speculation.min_speedup) if self.speculation is not None and auto else None
+        self.speculation = SpecPolicy(speculation)
         self.stats = SchedulerStats()
         self.tiers = KVTiers(engine, self.stats, host_cache_bytes=host_cache_bytes, park=park, now_ms=now_ms)
         self.lanes: list[Lane] = []
         self.background_divisor = 1
-        self._token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
-        # seconds per decode of the last steps that only decoded, without drafts and with them allowed
-        self._decode_step_s = {False: 0.0, True: 0.0}
-        self._urgent_until = 0.0  # monotonic time until which steps stay short
+        self.pace = Pace()
         self._queue: list[Job] = []
         self._order = itertools.count()
         self._admissions = itertools.count()
@@ -243,7 +164,7 @@ class Scheduler:
             job.submitted = time.monotonic()
             job.order = next(self._order)
             if job.qos <= QOS_COMPLETION:
-                self._urgent_until = time.monotonic() + URGENT_WINDOW_S
+                self.pace.urgent()
             self._queue.append(job)
             self._cv.notify()
 
@@ -339,7 +260,7 @@ class Scheduler:
                 return
         cost = self.tiers.calibrate()
         if cost is not None:
-            self._token_cost = cost
+            self.pace.token_cost = cost
 
     def _recover(self, why: str) -> None:
         """The worker died: every generation it held ends with finish 5, its slots are empty, a new one starts."""
@@ -500,7 +421,7 @@ class Scheduler:
     def _seed(self, job: Job) -> Lane:
         tokens = np.asarray(job.tokens, dtype=np.int32)
         running = {lane.seq: np.asarray(lane.held, dtype=np.int32) for lane in self.lanes}
-        place = self.tiers.place(tokens, running, self._token_cost)
+        place = self.tiers.place(tokens, running, self.pace.token_cost)
         seq, length = place.seq, place.length
         try:
             self._open_sampling(job)
@@ -531,7 +452,7 @@ class Scheduler:
                 raise EngineError(str(e)) from None
         if job.shaping is not None and not job.shaping_handle:
             job.shaping_handle = self.engine.open_shaping(job.shaping, job.tokens[-REPEAT_WINDOW:])
-        if not job.drafter_handle and self._may_draft(job):
+        if not job.drafter_handle and self.speculation.may_draft(job):
             job.drafter_handle = self.engine.open_drafter(job.tokens)
 
     def _step(self) -> bool:
@@ -551,7 +472,7 @@ class Scheduler:
         draws: list[Draw] = []
         end = 0
         decode_only = all(lane.decoding for lane, _, _ in plan)
-        draft = self._draft_length(len(plan), decode_only)
+        draft = self.speculation.draft_length(len(plan), decode_only)
         run = self._run_length(plan, draft > 0) if decode_only else 1
         for lane, chunk, start in plan:
             end += len(chunk)
@@ -571,19 +492,17 @@ class Scheduler:
                         max(1, min(job.max_tokens - job.generated, self.window - start - len(chunk))),
                         job.drafter_handle,
                         draft if job.drafter_handle and lane.decoding else 0,
-                        self.speculation is None or self.speculation.adaptive,
+                        self.speculation.adaptive,
                     )
                 )
-        step = Step(tokens, positions, seqs, want, draws, probe=bool(draft) and self._probing(len(plan)))
+        step = Step(tokens, positions, seqs, want, draws, probe=bool(draft) and self.speculation.probing(len(plan)))
         while True:
             try:
                 started = time.perf_counter()
                 drawn = self.engine.step(step)
                 took = time.perf_counter() - started
-                if not decode_only and len(tokens) >= MIN_PREFILL + len(owners):
-                    # attention makes a token dearer as its lane grows: follow the cost closely (a step
-                    # that only decodes runs on after its batch, and drafts are no prompt)
-                    self._token_cost = 0.5 * self._token_cost + 0.5 * step.first_decode_s / len(tokens)
+                if not decode_only:
+                    self.pace.prefilled(len(tokens), len(owners), step.first_decode_s)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step: %d tokens over %d lanes in %.0f ms", len(tokens), len(plan), took * 1000)
                 break
@@ -600,14 +519,15 @@ class Scheduler:
         decodes = step.decodes
         total = sum(len(tokens) for tokens in drawn)
         self.stats.steps += decodes
-        self._measure(plan, took, total, decodes if decode_only else 0, draft > 0)
+        prefilled = sum(len(chunk) for lane, chunk, _ in plan if not lane.job.generated)
+        self.pace.measure(self.stats, prefilled, total, took, decodes if decode_only else 0, draft > 0)
         jobs = {index: lane.job for lane, index in owners}
         drafted = stood = 0
         for index, (proposed, accepted) in step.spec.items():
             self._record_draft(jobs[index], proposed, accepted)
             drafted, stood = drafted + proposed, stood + accepted
-        if decode_only and self.gate is not None:
-            self.gate.record(len(plan), decodes, step.drafted, step.plain, drafted, stood)
+        if decode_only:
+            self.speculation.record(len(plan), decodes, step.drafted, step.plain, drafted, stood)
         for lane, chunk, _ in plan:
             lane.held.extend(chunk)
             del lane.feed[: len(chunk)]
@@ -632,30 +552,14 @@ class Scheduler:
         self.stats.spec_accepted += accepted
 
     def _run_length(self, plan: list[tuple[Lane, list[int], int]], drafting: bool) -> int:
-        """How many decodes a step that only decodes may make in one engine call (each lane draws a token a
-        decode, more where its drafts stand); `drafting` says whether its lanes may draft, which makes a
-        decode dearer."""
-        step_s = self._decode_step_s[drafting]
-        if not step_s or self._queue or self.background_divisor > 1:
-            return 1  # the first decode-only step measures; an arrival or a throttle wants every step
+        """Decodes this decode-only step may make in one engine call: one while someone waits for a lane
+        or the background is throttled (they want every step), or where log probabilities come back
+        (one row per call)."""
+        if self._queue or self.background_divisor > 1:
+            return 1
         if any(lane.job.shaping is not None and lane.job.shaping.logprobs >= 0 for lane, _, _ in plan):
-            return 1  # log probabilities come back one row per call
-        return max(1, min(MAX_RUN, int(min(RUN_S, self.tick_s) / step_s)))
-
-    def _measure(
-        self, plan: list[tuple[Lane, list[int], int]], took: float, drawn: int, decodes: int, drafting: bool
-    ) -> None:
-        """The engine's rates as /slots shows them: a step that prefills counts for prefill (its cost is
-        mostly the prompt's), one that only decodes for decode (over the `decodes` calls it made, with
-        drafts allowed or not)."""
-        prefilled = sum(len(chunk) for lane, chunk, _ in plan if not lane.job.generated)
-        stats = self.stats
-        if prefilled:
-            stats.prefill_tokens_per_second = _smoothed(stats.prefill_tokens_per_second, prefilled / took)
-        else:
-            stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, drawn / took)
-        if decodes:
-            self._decode_step_s[drafting] = _smoothed(self._decode_step_s[drafting], took / decodes)
+            return 1
+        return self.pace.run_length(drafting, self.tick_s)
 
     def _retire_prefilled(self) -> bool:
         done = [lane for lane in self.lanes if lane.job.prefill_only and not lane.feed]
@@ -683,9 +587,7 @@ class Scheduler:
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
-        step = STEP_URGENT_S if time.monotonic() < self._urgent_until else STEP_TARGET_S
-        budget = max(MIN_PREFILL, int(step / self._token_cost) - inputs)
-        budget = min(budget, self.engine.shape.batch - inputs)
+        budget = self.pace.prefill_budget(inputs, self.engine.shape.batch)
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
@@ -699,29 +601,6 @@ class Scheduler:
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
-
-    def _draft_length(self, lanes: int, decode_only: bool) -> int:
-        """The longest draft this step's lanes may carry: none with speculation off, while a prompt
-        prefills (a draft would only lengthen that step), or while the gate (under auto) finds that
-        drafts do not pay for this many lanes."""
-        settings = self.speculation
-        if settings is None or not decode_only or (self.gate is not None and not self.gate.allows(lanes)):
-            return 0
-        return settings.draft_tokens
-
-    def _probing(self, lanes: int) -> bool:
-        """Whether a step of this many decoding lanes is a trial of drafting against none (under auto)."""
-        return self.gate is not None and self.gate.probing(lanes)
-
-    def _may_draft(self, job: Job) -> bool:
-        """Whether a job gets a drafter: not where drafts cannot be verified as the job would draw its
-        tokens (log probabilities asked, a batch-invariant job on kernels that are not exact)."""
-        settings = self.speculation
-        if settings is None or job.prefill_only:
-            return False
-        if job.shaping is not None and job.shaping.logprobs >= 0:
-            return False
-        return settings.exact or not job.batch_invariant
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..engine.drafting import Arm
+
+if TYPE_CHECKING:
+    from .job import Job
 
 log = logging.getLogger("superfluid.scheduler")
 
@@ -184,3 +188,43 @@ class SpecProbe:
         self._changed = False
         self._decodes = 0
         self._proposed = self._accepted = 0
+
+
+class SpecPolicy:
+    """What `--speculate` means for each step and job: who drafts, how long, and (under auto) the gate."""
+
+    def __init__(self, settings: SpecSettings | None) -> None:
+        self.settings = settings if settings is not None and settings.mode != "off" else None
+        auto = self.settings is not None and self.settings.mode == "auto"
+        self.gate = SpecGate(self.settings.min_speedup) if self.settings is not None and auto else None
+
+    @property
+    def adaptive(self) -> bool:
+        """Drafts as long as pays (`drafting.plan`), else always the longest there is."""
+        return self.settings is None or self.settings.adaptive
+
+    def draft_length(self, lanes: int, decode_only: bool) -> int:
+        """The longest draft this step's lanes may carry: none with speculation off, while a prompt
+        prefills (a draft would only lengthen that step), or while the gate (under auto) finds that
+        drafts do not pay for this many lanes."""
+        if self.settings is None or not decode_only or (self.gate is not None and not self.gate.allows(lanes)):
+            return 0
+        return self.settings.draft_tokens
+
+    def probing(self, lanes: int) -> bool:
+        """Whether a step of this many decoding lanes is a trial of drafting against none (under auto)."""
+        return self.gate is not None and self.gate.probing(lanes)
+
+    def may_draft(self, job: Job) -> bool:
+        """Whether a job gets a drafter: not where drafts cannot be verified as the job would draw its
+        tokens (log probabilities asked, a batch-invariant job on kernels that are not exact)."""
+        if self.settings is None or job.prefill_only:
+            return False
+        if job.shaping is not None and job.shaping.logprobs >= 0:
+            return False
+        return self.settings.exact or not job.batch_invariant
+
+    def record(self, lanes: int, decodes: int, drafted: Arm, plain: Arm, proposed: int, accepted: int) -> None:
+        """A decode-only step's drafting, for the gate."""
+        if self.gate is not None:
+            self.gate.record(lanes, decodes, drafted, plain, proposed, accepted)

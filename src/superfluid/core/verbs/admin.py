@@ -48,7 +48,7 @@ class AdminVerbs(DaemonBase):
         try:
             set_log_directive(req.directive)
         except ValueError as e:
-            raise DaemonError(f"generation failed: {e}") from None
+            raise DaemonError(str(e)) from None  # what was wrong and what is accepted
         return Response.Ack()
 
     def _metrics(self, req: R.Metrics) -> Response:

@@ -26,7 +26,7 @@ from ...protocol.schema import (
     Request,
     Response,
 )
-from ...scheduler.scheduler import Job
+from ...scheduler.job import Job
 from ...store.state import SessionState
 from ..errors import DaemonError, check_fits
 from ..fim import FimError, check_fim, fim_prompt, fim_runtime

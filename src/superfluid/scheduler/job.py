@@ -1,0 +1,66 @@
+"""A generation as the scheduler runs it: the `Job` a caller submits, the `Lane` it runs on, the sink it feeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..engine.shaping import LogprobRow, Shaping
+from ..protocol.schema import QOS_AGENT, GenParams
+
+
+class JobSink(Protocol):
+    """Receives a job's output on the scheduler thread."""
+
+    def tokens(self, job: Job, tokens: list[int]) -> None: ...
+
+    def finished(self, job: Job, finish: int, error: str | None) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: continue `tokens` by up to `max_tokens` sampled tokens.
+
+    A job with `prefill_only` samples nothing: it fills the cache with its tokens.
+    """
+
+    tokens: list[int]
+    params: GenParams
+    max_tokens: int
+    sink: JobSink
+    qos: int = QOS_AGENT
+    batch_invariant: bool = False
+    prefill_only: bool = False
+    ignore_eos: bool = False  # end-of-generation tokens are never drawn: the job runs to max_tokens
+    grammar: str | None = None  # GBNF every token must follow; the engine holds its state
+    grammar_handle: int = 0
+    shaping: Shaping | None = None  # bias, penalties, log probabilities; the engine holds its state
+    shaping_handle: int = 0
+    logprobs: list[LogprobRow] = field(default_factory=list)  # of tokens drawn, until the sink takes them
+    cancelled: bool = False
+    warm_prefix: int = 0
+    generated: int = 0
+    admitted: bool = False
+    done: bool = False
+    queued_at: int = 0  # the step it was queued at, for aging
+    submitted: float = 0.0  # monotonic time of its submission, for the time to its first token
+    order: int = 0  # first come, first served within a class
+    session: int | None = None  # whose generation it is, for the views of the lanes; the scheduler ignores it
+    drafter_handle: int = 0  # its prompt lookup in the engine, under --speculate
+    spec_proposed: int = 0  # drafted tokens put into its decodes
+    spec_accepted: int = 0  # of them, those it would have drawn anyway
+
+
+@dataclass(eq=False)
+class Lane:
+    """A job running on a slot: `held` is in the KV slot, `feed` goes in next."""
+
+    seq: int
+    job: Job
+    held: list[int]
+    feed: list[int]
+    admitted: int  # admission order, newest preempted first
+
+    @property
+    def decoding(self) -> bool:
+        return len(self.feed) == 1 and self.job.generated > 0

@@ -1,0 +1,79 @@
+"""How much work a step takes on: the rates steps measure, and the prefill and decode runs sized from them.
+
+A step's prefill is sized to last about `STEP_TARGET_S` (`STEP_URGENT_S` for a while after
+interactive or completion work arrives), from the measured cost of a prefilled token, so an
+arrival never waits long for the step in flight; a step that only decodes makes a run of
+decodes in one engine call when nobody waits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .stats import SchedulerStats
+
+# A step's work: what an interactive arrival may have to wait for. Prefill chunks of 16-32
+# tokens run 10-15% slower than chunks of 64-256 (the weights are read once a step), so steps
+# are not made shorter than an arrival needs.
+STEP_TARGET_S = 0.2
+STEP_URGENT_S = 0.12  # the same while interactive or completion work has come lately
+URGENT_WINDOW_S = 300.0
+MIN_PREFILL = 16
+# a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
+# and this loop are paid once), as long as nobody waits for admission, up to this long: an
+# arrival waits at most that for its lane
+RUN_S = 0.04
+MAX_RUN = 8
+
+
+def _smoothed(average: float, sample: float) -> float:
+    """A moving average that follows the last few dozen samples; the first sample starts it."""
+    return sample if average == 0.0 else 0.9 * average + 0.1 * sample
+
+
+class Pace:
+    """The rates one scheduler's steps measure, and what they make of the next step."""
+
+    def __init__(self) -> None:
+        self.token_cost = 0.005  # seconds per prefilled token, measured on prefill-heavy steps
+        # seconds per decode of the last steps that only decoded, without drafts and with them allowed
+        self.decode_step_s = {False: 0.0, True: 0.0}
+        self.urgent_until = 0.0  # monotonic time until which steps stay short
+
+    def urgent(self) -> None:
+        """Interactive or completion work arrived: steps stay short for a while."""
+        self.urgent_until = time.monotonic() + URGENT_WINDOW_S
+
+    def prefill_budget(self, inputs: int, batch: int) -> int:
+        """Prompt tokens a step that already carries `inputs` tokens may prefill, in a batch of `batch`."""
+        step = STEP_URGENT_S if time.monotonic() < self.urgent_until else STEP_TARGET_S
+        return min(max(MIN_PREFILL, int(step / self.token_cost) - inputs), batch - inputs)
+
+    def prefilled(self, tokens: int, lanes: int, first_decode_s: float) -> None:
+        """A step that prefilled `tokens` over `lanes` lanes took `first_decode_s` for its own batch."""
+        if tokens >= MIN_PREFILL + lanes:
+            # attention makes a token dearer as its lane grows: follow the cost closely (a step that only
+            # decodes runs on after its batch, and drafts are no prompt)
+            self.token_cost = 0.5 * self.token_cost + 0.5 * first_decode_s / tokens
+
+    def run_length(self, drafting: bool, tick_s: float) -> int:
+        """How many decodes a step that only decodes may make in one engine call (each lane draws a token a
+        decode, more where its drafts stand); `drafting` says whether its lanes may draft, which makes a
+        decode dearer. The first such step runs one, to measure."""
+        step_s = self.decode_step_s[drafting]
+        if not step_s:
+            return 1
+        return max(1, min(MAX_RUN, int(min(RUN_S, tick_s) / step_s)))
+
+    def measure(
+        self, stats: SchedulerStats, prefilled: int, drawn: int, took: float, decodes: int, drafting: bool
+    ) -> None:
+        """The engine's rates as /slots shows them: a step that prefills counts for prefill (its cost is
+        mostly the prompt's), one that only decodes for decode (over the `decodes` calls it made, with
+        drafts allowed or not)."""
+        if prefilled:
+            stats.prefill_tokens_per_second = _smoothed(stats.prefill_tokens_per_second, prefilled / took)
+        else:
+            stats.decode_tokens_per_second = _smoothed(stats.decode_tokens_per_second, drawn / took)
+        if decodes:
+            self.decode_step_s[drafting] = _smoothed(self.decode_step_s[drafting], took / decodes)
