@@ -151,7 +151,8 @@ def test_with_every_slot_running_a_new_lane_is_refused() -> None:
         tiers.place(np.asarray([9, 9], dtype=np.int32), {seq: np.asarray([1, 2, 3], dtype=np.int32)}, TOKEN_COST)
 
 
-def test_the_park_keeps_a_prefix_across_a_lost_worker(tmp_path: Path) -> None:
+def parked_history(tmp_path: Path) -> tuple[FakeEngine, Park, KVTiers, list[int], int]:
+    """Tiers with a park, holding one history idle in a slot and parked too: (engine, park, tiers, history, slot)."""
     engine = FakeEngine(sequences=2)
     park = Park(tmp_path / "park", park_fingerprint("fake"), 0)
     tiers = tiers_of(engine, park=park)
@@ -160,6 +161,11 @@ def test_the_park_keeps_a_prefix_across_a_lost_worker(tmp_path: Path) -> None:
     tiers.keep(seq, history)
     tiers.park_idle()
     park.flush()
+    return engine, park, tiers, history, seq
+
+
+def test_the_park_keeps_a_prefix_across_a_lost_worker(tmp_path: Path) -> None:
+    engine, park, tiers, history, _ = parked_history(tmp_path)
     assert park.holds(np.asarray(history, dtype=np.int32)) and park.parks == 1
     for slot in engine.llama.slots.values():  # the worker died: its slots are gone
         slot.clear()
@@ -169,14 +175,7 @@ def test_the_park_keeps_a_prefix_across_a_lost_worker(tmp_path: Path) -> None:
 
 
 def test_a_park_read_that_costs_more_than_the_prefill_is_skipped(tmp_path: Path) -> None:
-    engine = FakeEngine(sequences=2)
-    park = Park(tmp_path / "park", park_fingerprint("fake"), 0)
-    tiers = tiers_of(engine, park=park)
-    history = list(range(400, 400 + 3 * EXPORT_MIN_TOKENS))
-    seq, _, _ = lane(tiers, engine, history)
-    tiers.keep(seq, history)
-    tiers.park_idle()
-    park.flush()
+    engine, _, tiers, history, seq = parked_history(tmp_path)
     tiers.drop(seq)
     tiers.reset()
     tiers.read_cost = 1.0  # a second per byte: any prefill is quicker

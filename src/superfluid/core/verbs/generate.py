@@ -9,7 +9,6 @@ the job; its outcomes come back through a `Generation`. HTTP streams what is sam
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 
 from ...engine.grammar import Grammar, GrammarError
@@ -34,7 +33,6 @@ from ..generation import Done, GenerationRun, Outcome
 from ..runtime import Runtime
 from .base import TURN_ENDED, DaemonBase, _check_params
 
-log = logging.getLogger("superfluid.core")
 B = EventBody
 R = Request
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 from ...model.blocks import BlockError, project_block
 from ...protocol.schema import (
@@ -17,7 +16,6 @@ from ...protocol.schema import (
 from ..errors import DaemonError
 from .base import DaemonBase
 
-log = logging.getLogger("superfluid.core")
 B = EventBody
 R = Request
 

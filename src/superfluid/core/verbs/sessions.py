@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from typing import Any
 
@@ -36,7 +35,6 @@ from ..bus import END_PURGED, Subscription
 from ..errors import DaemonError
 from .base import DaemonBase, _check_params
 
-log = logging.getLogger("superfluid.core")
 B = EventBody
 R = Request
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from ...protocol.schema import (
     LEDGER_CANCEL_REQUESTED,
     LEDGER_OPEN,
@@ -19,7 +17,6 @@ from ...store.state import SessionState, ToolCallState
 from ..errors import DaemonError
 from .base import DaemonBase
 
-log = logging.getLogger("superfluid.core")
 B = EventBody
 R = Request
 
