@@ -14,6 +14,7 @@ import pytest
 
 from superfluid.cli.main import build_parser, main
 from superfluid.config import ServeConfig
+from superfluid.transports.addresses import parse_web_address
 
 
 def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -211,3 +212,17 @@ def test_what_depends_on_other_flags_is_refused_before_the_daemon_starts(
     err = capsys.readouterr().err
     assert exit.value.code == 2 and not started and says in err, err
     assert err.startswith("usage: superfluid serve [MODEL] [flags]\n"), "a usage line, not a page of it"
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("127.0.0.1:70000", "expected a port from 0 to 65535 after the host"),
+        ("localhost:http", "expected a port from 0 to 65535 after the host"),
+        ("10.0.0.1:8460", "listens on loopback only"),
+    ],
+)
+def test_a_web_address_is_refused_for_what_is_wrong_with_it(address: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_web_address(address)
+    assert parse_web_address("[::1]:8460") == ("::1", 8460)

@@ -230,15 +230,19 @@ async def _drain(daemon: Daemon, api_server: ApiServer | None, timeout_s: float)
         api_server.gate.draining = True
         api_server.gate.drain_retry_s = timeout_s
 
-    def busy() -> int:
-        return len(daemon.running) + (api_server.gate.in_flight if api_server is not None else 0)
+    def busy() -> str:
+        """What still runs, in words; empty when nothing does. An HTTP chat is a request and a generation
+        both: each is counted apart, never summed."""
+        requests = api_server.gate.in_flight if api_server is not None else 0
+        generations = len(daemon.running)
+        return f"{generations} generations and {requests} HTTP requests" if generations or requests else ""
 
-    log.info("draining: new HTTP requests get 503; waiting up to %.0f s for %d running", timeout_s, busy())
+    log.info("draining: new HTTP requests get 503; waiting up to %.0f s for %s", timeout_s, busy() or "nothing")
     deadline = time.monotonic() + timeout_s
     while busy() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if busy():
-        log.warning("drain timed out with %d still running; stopping them", busy())
+        log.warning("drain timed out with %s still running; stopping them", busy())
     else:
         log.info("drained: nothing is running")
 

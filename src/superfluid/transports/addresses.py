@@ -19,7 +19,9 @@ def parse_web_address(address: str, anywhere: bool = False) -> tuple[str, int]:
     if anywhere:
         return split_address(address)
     host, sep, port = address.rpartition(":")
-    if not sep or host not in LOOPBACK_HOSTS or not port.isdigit() or int(port) > 65535:
+    if sep and host in LOOPBACK_HOSTS and (not port.isdigit() or int(port) > 65535):
+        raise ValueError(f"--web {address!r} is refused: expected a port from 0 to 65535 after the host")
+    if not sep or host not in LOOPBACK_HOSTS:
         raise ValueError(
             f"--web {address!r} is refused: the browser transport listens on loopback only; "
             "give 127.0.0.1:PORT, [::1]:PORT or localhost:PORT (any address is taken with --store, where "
