@@ -131,6 +131,13 @@ def test_top_shows_each_daemon_up_refused_or_down(daemon: HttpDaemon, tmp_path: 
                 table = app.query_one("#nodes", DataTable)
                 await until(pilot, lambda: all(str(table.get_row_at(i)[1]) != "…" for i in range(3)))
                 rows = [tuple(str(cell) for cell in table.get_row_at(i)) for i in range(3)]
+                cut = [
+                    (column.label.plain, value)
+                    for row in rows
+                    for column, value in zip(table.columns.values(), row, strict=True)
+                    if len(value) > column.content_width
+                ]
+                assert not cut, f"cells wider than their column are cut: {cut}"
                 await pilot.press("q")
             return rows
 

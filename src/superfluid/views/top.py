@@ -117,7 +117,7 @@ class Top(App[None]):
         table = self.query_one("#nodes", DataTable)
         for node in self.nodes:
             for column, value in zip(table.columns, self.row(node), strict=True):
-                table.update_cell(node.address, column, value)
+                table.update_cell(node.address, column, value, update_width=True)  # "561/98,304" outgrows its header
         total = sum(n.history.decode_rate for n in self.nodes if n.state == "up")
         self.total.append(total)
         self.query_one("#total-rate", Label).update(f"total decode {total:8.1f} tok/s")
