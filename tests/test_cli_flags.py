@@ -101,6 +101,7 @@ def test_the_command_line_wins_over_a_bad_variable(monkeypatch: pytest.MonkeyPat
     [
         ("--park-budget-gb", "-1", "expected a number of at least 0 (0: unbounded), not '-1'"),
         ("--rate-limit", "-5", "expected an integer of at least 0 (0: off), not '-5'"),
+        ("--api-key", "", "expected a key of at least one character, not an empty string"),
         ("--port", "70000", "expected an integer from 1 to 65535, not '70000'"),
         ("--port", "0", "expected an integer from 1 to 65535, not '0'"),
         ("--http", "127.0.0.1:70000", "expected HOST:PORT with a port from 0 to 65535"),
@@ -170,8 +171,8 @@ def test_no_flag_that_parses_its_value_takes_a_negative_or_a_nan() -> None:
     """A guard for flags to come: a `type=` other than a path or a name must refuse -1 and nan."""
     checked = []
     for action in serve_parser()._actions:
-        if not action.option_strings or action.type in (None, str, Path):
-            continue
+        if not action.option_strings or action.type in (None, str, Path) or action.dest == "api_key":
+            continue  # texts and paths: "-1" is a key like any other
         for bad in ("-1", "nan"):
             with pytest.raises(argparse.ArgumentError):
                 serve_parser()._get_values(action, [bad])

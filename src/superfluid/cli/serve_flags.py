@@ -145,6 +145,13 @@ def _web_address(text: str) -> str:
     return text
 
 
+def _api_key(text: str) -> str:
+    """`--api-key`: an empty one would turn keys on with none that matches, and lock every client out."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a key of at least one character, not an empty string")
+    return text
+
+
 def _directive(text: str) -> str:
     """`--log-filter`: checked here, so a bad one is refused before anything loads."""
     try:
@@ -371,6 +378,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     security = serve.add_argument_group("keys and limits")
     security.add_argument(
         "--api-key",
+        type=_api_key,
         default=None,
         metavar="KEY",
         help="require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every HTTP route but /health",
