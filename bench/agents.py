@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from peer import LlamaServer, Server, Superfluid
+from record import Result
 
 from superfluid.model.resolve import embedded_model
 
@@ -40,8 +41,6 @@ LEAN = ["--tools", "Read,Bash", "--output-format", "json", "-p"]
 QUESTIONS = ("What does a harbour master do?", "Name three rivers in Peru.")
 ROUNDS = 3
 WINDOW, LANES = 8192, 8
-
-Row = tuple[str, float, str, bool, str]
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -111,8 +110,8 @@ def first_token(url: str, body: dict) -> tuple[float, dict]:
     return first, usage
 
 
-def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> list[Row]:
-    """(name, value, target, passed, detail) rows."""
+def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int, rounds: int | None = None) -> list[Result]:
+    """Warm over cold on superfluid, and each over llama-server's; `rounds` turns (1 when quick, else ROUNDS)."""
     if not CLAUDE.exists():
         print("agents: Claude Code is not installed (make test installs it into .venv/agents); skipped", flush=True)
         return []
@@ -130,7 +129,7 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
     turns = claude_requests()
     first: dict[tuple[str, str], list[float]] = {}
     prompts: dict[tuple[str, str], tuple[int, int]] = {}  # (prompt tokens, of them read from the cache)
-    for turn in range(1 if quick else ROUNDS):
+    for turn in range(rounds or (1 if quick else ROUNDS)):
         order = list(systems)[turn % len(systems) :] + list(systems)[: turn % len(systems)]
         for name in order:
             with systems[name](f"{turn}") as server:
@@ -148,26 +147,36 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int) -> 
 
     sf_cold, sf_warm = median[("superfluid", "cold")], median[("superfluid", "warm")]
     share = sf_warm / sf_cold
-    rows: list[Row] = [
-        (
+    rows = [
+        Result(
             "agents: Claude Code warm/cold first token",
             share,
             "<= 0.2",
             share <= 0.2,
             f"{said('superfluid', 'cold')}; {said('superfluid', 'warm')}",
+            "x",
+            "the cold turn on superfluid",
+            "lower",
+            rounds={"warm s": first[("superfluid", "warm")], "cold s": first[("superfluid", "cold")]},
         )
     ]
     if "llama-server" in systems:
         for kind in ("cold", "warm"):
             ours, theirs = median[("superfluid", kind)], median[("llama-server", kind)]
             detail = f"{said('superfluid', kind)}; {said('llama-server', kind)}"
+            raw = {"superfluid s": first[("superfluid", kind)], "llama-server s": first[("llama-server", kind)]}
             rows.append(
-                (
+                Result(
                     f"agents: Claude Code {kind} first token sf/llama-server",
                     ours / theirs,
                     "<= 1.0",
                     ours <= theirs,
                     detail,
+                    "x",
+                    "llama-server",
+                    "lower",
+                    f"first token of a Claude Code turn, {kind}",
+                    raw,
                 )
             )
     return rows

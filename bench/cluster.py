@@ -13,18 +13,16 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 from peer import Superfluid, free_port
 from pgcluster import PostgresCluster
+from record import Result, median_round
 
 from superfluid.client import SocketClient
 from superfluid.protocol.schema import EventBody, GenParams, Request, Response
 
-R = TypeVar("R")
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 WINDOW, LANES, STREAMS = 4096, 8, 8
 RENEW_S, EXPIRY_S, DEFAULT_EXPIRY_S = 0.5, 3.0, 10.0
@@ -162,20 +160,20 @@ def failover(root: Path, threads: int, store: str, taker: Superfluid, trial: int
     raise RuntimeError(f"session {session} was still served elsewhere {EXPIRY_S + 30:g} s after the SIGKILL")
 
 
-Row = tuple[str, float, str, bool, str]
-
-
-def store_rows(root: Path, threads: int, pg: PostgresCluster, tokens: int, rounds: int) -> list[Row]:
+def store_rows(root: Path, threads: int, pg: PostgresCluster, tokens: int, rounds: int) -> list[Result]:
     """Commit latency per tick on each store, and decode tok/s on PostgreSQL over SQLite."""
     stores = {"SQLite": None, "PostgreSQL": pg.database()}
     rates: dict[str, list[float]] = {name: [] for name in stores}
     commits: dict[str, dict[float, float]] = {name: {} for name in stores}
+    per_round: dict[str, dict[str, list[float]]] = {name: {"p50 ms": [], "p99 ms": []} for name in stores}
     for round_ in range(rounds):
         # one daemon at a time, and who goes first alternates: this machine drifts over minutes
         order = list(stores) if round_ % 2 == 0 else list(reversed(stores))
         for name in order:
             rate, delta = store_round(root / name, threads, stores[name], tokens, f"{round_}")
             rates[name].append(rate)
+            per_round[name]["p50 ms"].append(quantile(delta, 0.5) * 1000)
+            per_round[name]["p99 ms"].append(quantile(delta, 0.99) * 1000)
             for bound, count in delta.items():
                 commits[name][bound] = commits[name].get(bound, 0.0) + count
             print(
@@ -183,26 +181,42 @@ def store_rows(root: Path, threads: int, pg: PostgresCluster, tokens: int, round
                 f"{rate:.1f} tok/s",
                 flush=True,
             )
-    rows: list[Row] = []
+    rows: list[Result] = []
     for name, counts in commits.items():
-        p50, p99 = quantile(counts, 0.5) * 1000, quantile(counts, 0.99) * 1000
         workload = f"{counts[float('inf')]:.0f} commits, {STREAMS} streams of {tokens} tokens, {rounds} round(s)"
-        rows.append((f"commit per tick, {name} store, p50 (ms)", p50, "(reported)", True, workload))
-        rows.append((f"commit per tick, {name} store, p99 (ms)", p99, "(reported)", True, workload))
+        for q in (50, 99):
+            value = quantile(counts, q / 100) * 1000  # over every round's commits
+            key = f"p{q} ms"
+            raw = {f"{key}, by round": per_round[name][key]}
+            rows.append(
+                Result(
+                    f"commit per tick, {name} store, p{q} (ms)", value, "(reported)", True, workload, "ms", rounds=raw
+                )
+            )
     ratios = [a / b for a, b in zip(rates["PostgreSQL"], rates["SQLite"], strict=True)]
-    middle = int(np.argsort(ratios)[len(ratios) // 2])  # the median round, shown with its own rates
+    middle = median_round(ratios)
     ratio = ratios[middle]
     detail = (
         f"{rates['PostgreSQL'][middle]:.1f} vs {rates['SQLite'][middle]:.1f} tok/s in the median of {rounds} "
         f"paired round(s) (ratios {', '.join(f'{r:.2f}' for r in ratios)})"
     )
     rows.append(
-        (f"decode tok/s, {STREAMS} streams, PostgreSQL store / SQLite", ratio, ">= 0.95", ratio >= 0.95, detail)
+        Result(
+            f"decode tok/s, {STREAMS} streams, PostgreSQL store / SQLite",
+            ratio,
+            ">= 0.95",
+            ratio >= 0.95,
+            detail,
+            "x",
+            "the SQLite store",
+            "higher",
+            rounds={"PostgreSQL tok/s": rates["PostgreSQL"], "SQLite tok/s": rates["SQLite"], "ratio": ratios},
+        )
     )
     return rows
 
 
-def failover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Row:
+def failover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Result:
     """The median failover time over `trials` owners killed in turn, one taker up throughout."""
     store = pg.database()
     taker = cluster_daemon(root / "b", threads, store).start()
@@ -225,24 +239,26 @@ def failover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> 
         f"median of {trials}: {', '.join(f'{t:.2f}' for t in took)} s, "
         f"sent to the dead daemon until {', '.join(f'{t:.2f}' for t in refused)} s"
     )
-    return (
+    return Result(
         "failover: SIGKILL of the owner to a token on another daemon (s)",
         median,
         f"<= {limit:g} s",
         median <= limit,
         detail,
+        "s",
+        rounds={"token after s": took, "sent to the dead daemon until s": refused},
     )
 
 
-def cluster_figures(root: Path, threads: int, quick: bool, result: Callable[..., R]) -> list[R]:
-    """The section's rows, each made by `result(name, value, target, passed, detail)`: run.py passes
-    its Result, which this module cannot import (run.py runs as __main__ and imports this one)."""
+def cluster_figures(root: Path, threads: int, quick: bool, rounds: int | None = None) -> list[Result]:
+    """The stores' rows (`rounds` each, by default 1 when quick, else 3), then failover's (as many trials)."""
+    rounds = rounds or (1 if quick else 3)
     print("cluster: starting a PostgreSQL cluster", flush=True)
     pg = PostgresCluster()
     try:
-        rows = store_rows(root / "cluster", threads, pg, 32 if quick else 128, 1 if quick else 3)
+        rows = store_rows(root / "cluster", threads, pg, 32 if quick else 128, rounds)
         print(f"cluster: failover, two daemons on one database (--lease-expiry {EXPIRY_S:g})", flush=True)
-        rows.append(failover_row(root / "cluster", threads, pg, 1 if quick else 3))
+        rows.append(failover_row(root / "cluster", threads, pg, rounds))
     finally:
         pg.remove()
-    return [result(*row) for row in rows]
+    return rows

@@ -9,6 +9,7 @@ same commit superfluid runs), at its own defaults; `batched_bench` runs llama.cp
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class Superfluid(Server):
     log prints the line it prints when every listener is up."""
 
     name = "superfluid"
-    READY = b"superfluid 0.1.0: serving"
+    READY = re.compile(rb"^superfluid \S+: serving ", re.MULTILINE)  # the heading, whatever the version
 
     def __init__(self, root: Path, window: int, lanes: int, *extra: str, http: bool = True) -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -96,7 +97,7 @@ class Superfluid(Server):
     def ready(self) -> bool:
         if self.http:
             return super().ready()
-        return self.READY in self.log.read_bytes()[self._log_from :]
+        return self.READY.search(self.log.read_bytes()[self._log_from :]) is not None
 
     def client(self) -> SocketClient:
         return SocketClient(self.socket)

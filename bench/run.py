@@ -5,6 +5,8 @@
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
                                                 # cluster or agents
+    .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
+    .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
 Nine sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
@@ -31,7 +33,10 @@ Nine sections, one system driven at a time:
   and failover to another daemon after a SIGKILL (bench/cluster.py);
 - agents: a Claude Code turn's first token, cold and warm (a second turn with the same system
   prompt and tools), on superfluid and llama-server (bench/agents.py).
-Performance claims in the README come from this script, not from tests.
+Each section that measured something writes bench/results/SECTION.json (bench/record.py: the
+machine, the commit, the date, the settings, and per figure its median, unit, baseline, target
+and every round's raw values); bench/render.py renders docs/benchmarks.md and the README's
+summary table from those files. Performance claims come from this script, not from tests.
 """
 
 from __future__ import annotations
@@ -39,9 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -49,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp as L
@@ -58,6 +61,7 @@ import numpy as np
 from agents import agent_figures
 from cluster import cluster_figures
 from peer import LlamaServer, Superfluid, batched_bench
+from record import SECTIONS, Result, median_round, save
 from spec import spec_figures
 from startup import startup_figures
 from ui import ui_figures
@@ -71,15 +75,6 @@ from superfluid.protocol.schema import GenParams, Request, Response
 
 GREEDY = GenParams(0.0, 1.0, 0.0, 0, 0)
 OPENER = "<|im_start|>assistant\n"
-
-
-@dataclass
-class Result:
-    name: str
-    value: float
-    target: str
-    passed: bool
-    detail: str
 
 
 class RawLoop:
@@ -193,10 +188,12 @@ def filler(model: LlamaModel, tokens: int, seed: int) -> str:
     return model.detokenize(model.tokenize(text, False)[:tokens])
 
 
-def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: int) -> list[Result]:
+def socket_section(
+    quick: bool, root: Path, fastest: dict[int, float], threads: int, rounds: int | None = None
+) -> list[Result]:
     window, lanes = 4096, 8
     decode_tokens = 64 if quick else 192
-    rounds = 3 if quick else 7
+    rounds = rounds or (3 if quick else 7)
     fork_tokens = 800 if quick else 2000
     shared_tokens = 500 if quick else 1500
     burst = 8 if quick else 16
@@ -246,7 +243,7 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     tokens, seconds = raw.generate(stories, decode_tokens)  # raw runs before and after: drift cancels
                     raw_rates.append((before + tokens / seconds) / 2)
                     ratios.append(rates[-1] / raw_rates[-1])
-                middle = int(np.argsort(ratios)[len(ratios) // 2])  # the median round, shown with its own rates
+                middle = median_round(ratios)
                 ratio = ratios[middle]
                 results.append(
                     Result(
@@ -255,6 +252,10 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                         ">= 0.95",
                         ratio >= 0.95,
                         f"{rates[middle]:.1f} vs {raw_rates[middle]:.1f} tok/s, the median of {rounds} paired rounds",
+                        "x",
+                        "the raw llama.cpp loop, --kernels exact",
+                        "higher",
+                        rounds={"superfluid tok/s": rates, "raw loop tok/s": raw_rates, "ratio": ratios},
                     )
                 )
                 if n in fastest:
@@ -266,6 +267,10 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                             ">= 0.95",
                             best >= 0.95,
                             f"{np.median(rates):.1f} vs {fastest[n]:.1f} tok/s (llama-batched-bench)",
+                            "x",
+                            "the fastest llama-batched-bench setting",
+                            "higher",
+                            rounds={"superfluid tok/s": rates, "llama-batched-bench tok/s": [fastest[n]]},
                         )
                     )
             del raw
@@ -279,6 +284,8 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     "<= 0.02",
                     overhead <= 0.02,
                     f"{step - compute:.3f} s of {step:.2f} s of steps, over the decode rounds above",
+                    "share",
+                    rounds={"step s": [step], "compute s": [compute]},
                 )
             )
 
@@ -299,6 +306,11 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     "<= 0.10, warm >= 90%",
                     ratio <= 0.10 and warm >= 0.9,
                     f"{ttft:.3f}s vs {cold_prefill:.2f}s, warm_prefix {summary.warm_prefix} ({warm:.0%})",
+                    "x",
+                    "a cold prefill (raw llama.cpp loop)",
+                    "lower",
+                    f"first token of a fork of a {parent_len}-token session",
+                    {"first token s": [ttft], "cold prefill s": [cold_prefill], "warm prefix": [summary.warm_prefix]},
                 )
             )
 
@@ -323,6 +335,9 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     "<= 2",
                     ratio <= 2,
                     f"{prefilled:.0f} tokens prefilled",
+                    "x",
+                    "the shared prefix's tokens",
+                    rounds={"tokens prefilled": [prefilled], "prefix tokens": [prefix_len]},
                 )
             )
 
@@ -346,6 +361,8 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     chat_ttft <= 1.0 and complete,
                     f"{len(agent_results)}/8 agents completed, preemptions "
                     f"{metric(c, 'superfluid_preemptions_total'):.0f}",
+                    "s",
+                    rounds={"chat first token s": [chat_ttft], "agents completed": [len(agent_results)]},
                 )
             )
 
@@ -363,6 +380,13 @@ def socket_section(quick: bool, root: Path, fastest: dict[int, float], threads: 
                     within,
                     f"{slots:.0f} slots x {slot_tokens:.0f} tokens; host cache {host / 2**20:.0f} of "
                     f"{budget / 2**20:.0f} MiB",
+                    "share",
+                    rounds={
+                        "slots": [slots],
+                        "slot tokens": [slot_tokens],
+                        "host bytes": [host],
+                        "budget bytes": [budget],
+                    },
                 )
             )
     finally:
@@ -387,12 +411,13 @@ ENGINE_CONFIGS = (
 )
 # what superfluid runs: its default (fast) and its exact kernels, each against llama.cpp's defaults
 OUR_ENGINES = {"fast": ENGINE_CONFIGS[2][0], "exact": ENGINE_CONFIGS[4][0]}
+HEADLINE_PROMPT = 1500  # the prompt whose prefill the README's summary shows
 
 
 def engine_section(peers: Path, quick: bool, threads: int) -> tuple[list[Result], dict[int, float]]:
     """Prefill and decode of each configuration; returns the results and the fastest decode per stream count."""
     model = embedded_model().path
-    prompts = (100, 1500) if quick else (100, 1500, 4000)
+    prompts = (100, HEADLINE_PROMPT) if quick else (100, HEADLINE_PROMPT, 4000)
     tokens = 64 if quick else 128
     rows: dict[str, list[dict]] = {}
     for name, build, flags in ENGINE_CONFIGS:
@@ -425,13 +450,22 @@ def engine_section(peers: Path, quick: bool, threads: int) -> tuple[list[Result]
         for mine, theirs in zip(rows[name], defaults, strict=True):
             for phase in ("pp", "tg"):
                 what = "prefill" if phase == "pp" else "decode"
+                ours, defaults_rate = mine[f"speed_{phase}"], theirs[f"speed_{phase}"]
+                headline = ""
+                if (kernels, phase, mine["pl"], mine["pp"]) == ("fast", "pp", 1, HEADLINE_PROMPT):
+                    headline = f"prefill of a {HEADLINE_PROMPT:,}-token prompt, the engine under superfluid"
                 results.append(
                     Result(
                         f"engine {what}, prompt {mine['pp']} x{mine['pl']}: --kernels {kernels} / llama.cpp defaults",
-                        mine[f"speed_{phase}"] / theirs[f"speed_{phase}"],
+                        ours / defaults_rate,
                         "(the price of exactness)" if kernels == "exact" else "(our settings)",
                         True,
-                        f"{mine[f'speed_{phase}']:.1f} vs {theirs[f'speed_{phase}']:.1f} tok/s",
+                        f"{ours:.1f} vs {defaults_rate:.1f} tok/s",
+                        "x",
+                        "llama.cpp at its defaults (llama-batched-bench)",
+                        "higher",
+                        headline,
+                        {f"--kernels {kernels} tok/s": [ours], "llama.cpp defaults tok/s": [defaults_rate]},
                     )
                 )
     return results, fastest
@@ -485,6 +519,11 @@ def park_section(root: Path, threads: int, quick: bool) -> list[Result]:
             "<= 0.10, warm >= 90%",
             seconds / prefill <= 0.10 and summary.warm_prefix >= 0.9 * length,
             f"{seconds:.3f} s vs {prefill:.2f} s, warm_prefix {summary.warm_prefix}",
+            "x",
+            "a cold prefill of the session",
+            "lower",
+            f"first token of a {length}-token session after a SIGKILL" if label == "after a SIGKILL" else "",
+            {"first token s": [seconds], "cold prefill s": [prefill], "warm prefix": [summary.warm_prefix]},
         )
         for label, seconds, summary in (
             ("after a SIGKILL", killed, after_kill),
@@ -556,6 +595,13 @@ def many_idle_sessions(root: Path, threads: int, count: int) -> Result:
         "the last one warm",
         last_warm,
         detail,
+        "share",
+        rounds={
+            "first token s": [r[0] for r in resumed],
+            "warm prefix": [r[2].warm_prefix for r in resumed],
+            "cold prefill s": [cold],
+            "parked": [parked],
+        },
     )
 
 
@@ -570,7 +616,7 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def light_rounds(urls: dict[str, str], quick: bool) -> dict[str, list[dict[str, float]]]:
+def light_rounds(urls: dict[str, str], quick: bool, rounds: int | None = None) -> dict[str, list[dict[str, float]]]:
     """Idle first token, decode at 1 and 8 streams, and a burst sharing a system prompt, on fresh
     prompts, for every system, by rounds. Within a round the systems take turns measure by
     measure (one request at a time for the idle first token, three turns each for one stream),
@@ -579,7 +625,7 @@ def light_rounds(urls: dict[str, str], quick: bool) -> dict[str, list[dict[str, 
     figures: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
     for url in urls.values():
         load.send(url, load.Chat(_user("Hello."), 4))  # warm-up: first-request costs are not steady state
-    for round_ in range(2 if quick else 3):
+    for round_ in range(rounds or (2 if quick else 3)):
         seed = 1000 * round_ + 1
         order = list(urls) if round_ % 2 == 0 else list(reversed(urls))  # who goes first changes too
         idle: dict[str, list[float]] = {name: [] for name in urls}
@@ -634,7 +680,7 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
     return figures
 
 
-def http_section(peers: Path | None, quick: bool, threads: int, root: Path) -> list[Result]:
+def http_section(peers: Path | None, quick: bool, threads: int, root: Path, rounds: int | None = None) -> list[Result]:
     window, lanes = 4096, 8
     systems: dict[str, Callable[..., Superfluid | LlamaServer]] = {
         "superfluid": lambda tag, *extra: Superfluid(
@@ -662,7 +708,7 @@ def http_section(peers: Path | None, quick: bool, threads: int, root: Path) -> l
             extra = ("--no-park",) if name == "superfluid" else ()
             server = up.enter_context(make("light", *extra))
             urls[name] = server.url
-        light = light_rounds(urls, quick)
+        light = light_rounds(urls, quick, rounds)
     agents: dict[tuple[str, str], dict[str, float]] = {}
     header = ("with the QoS header", "background", "interactive")
     plans = [("superfluid", *header), ("llama-server", "plain", None, None), ("superfluid exact", *header)]
@@ -682,26 +728,37 @@ def http_results(
     theirs = light.get("llama-server")
     results = []
 
-    def compare(name: str, key: str, target: str, ok: Callable[[float], bool], unit: str) -> None:
-        mine = float(np.median([r[key] for r in ours]))
+    def compare(name: str, key: str, target: str, better: str, unit: str, headline: str = "") -> None:
+        passed = _meets(target)
+        mine = [r[key] for r in ours]
         if theirs is None:
-            results.append(Result(name, mine, target, False, f"superfluid {mine:.3f}{unit}; no llama-server figure"))
+            median = float(np.median(mine))
+            detail = f"superfluid {median:.3f} {unit}; no llama-server figure"
+            results.append(Result(name, median, target, False, detail, unit, rounds={f"superfluid {unit}": mine}))
             return
         ratios = [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
-        middle = int(np.argsort(ratios)[len(ratios) // 2])  # the median round, shown with its own figures
+        middle = median_round(ratios)
         ratio = ratios[middle]
         detail = (
-            f"{ours[middle][key]:.3f}{unit} vs {theirs[middle][key]:.3f}{unit} in the median of {len(ours)} "
+            f"{ours[middle][key]:.3f} {unit} vs {theirs[middle][key]:.3f} {unit} in the median of {len(ours)} "
             f"paired rounds (ratios {', '.join(f'{r:.2f}' for r in ratios)})"
         )
-        results.append(Result(name, ratio, target, ok(ratio), detail))
+        raw = {f"superfluid {unit}": mine, f"llama-server {unit}": [r[key] for r in theirs], "ratio": ratios}
+        results.append(Result(name, ratio, target, passed(ratio), detail, "x", "llama-server", better, headline, raw))
 
-    compare("idle first token over HTTP / llama-server", "idle", "<= 1.2", lambda r: r <= 1.2, " s")
-    compare("decode tok/s over HTTP, 1 stream / llama-server", "decode1", ">= 1.0", lambda r: r >= 1.0, " tok/s")
-    compare("decode tok/s over HTTP, 8 streams / llama-server", "decode8", ">= 1.0", lambda r: r >= 1.0, " tok/s")
+    compare("idle first token over HTTP / llama-server", "idle", "<= 1.2", "lower", "s", "first token, idle server")
+    compare(
+        "decode tok/s over HTTP, 1 stream / llama-server", "decode1", ">= 1.0", "higher", "tok/s", "decode, 1 stream"
+    )
+    compare(
+        "decode tok/s over HTTP, 8 streams / llama-server", "decode8", ">= 1.0", "higher", "tok/s", "decode, 8 streams"
+    )
     prefix = BURST_PREFIX // 3 if quick else BURST_PREFIX
     prefilled = float(np.median([r["burst_prefilled"] for r in ours]))
     peer_prefilled = f", llama-server {np.median([r['burst_prefilled'] for r in theirs]):.0f}" if theirs else ""
+    raw = {"superfluid tokens prefilled": [r["burst_prefilled"] for r in ours]}
+    if theirs:
+        raw["llama-server tokens prefilled"] = [r["burst_prefilled"] for r in theirs]
     results.append(
         Result(
             f"burst sharing a {prefix}-token system prompt: tokens prefilled / prefix",
@@ -709,26 +766,45 @@ def http_results(
             "<= 1.2",
             prefilled / prefix <= 1.2,
             f"superfluid {prefilled:.0f}{peer_prefilled} tokens prefilled",
+            "x",
+            "the shared system prompt's tokens",
+            rounds=raw,
         )
     )
-    compare("burst sharing a system prompt: wall / llama-server", "burst_wall", "<= 0.5", lambda r: r <= 0.5, " s")
+    compare("burst sharing a system prompt: wall / llama-server", "burst_wall", "<= 0.5", "lower", "s")
     mine, plain = agents[("superfluid", "with the QoS header")], agents[("superfluid", "plain")]
     exact = agents[("superfluid exact", "with the QoS header")]
     peer = agents.get(("llama-server", "plain"))
-    for key, name, target, ok in (
-        ("wall", "eight agents' wall / llama-server", "<= 0.9", lambda r: r <= 0.9),
-        ("p50", "agent first token p50 / llama-server", "<= 1.0", lambda r: r <= 1.0),
+    for key, name, target in (
+        ("wall", "eight agents' wall / llama-server", "<= 0.9"),
+        ("p50", "agent first token p50 / llama-server", "<= 1.0"),
     ):
         if peer is None:
-            results.append(Result(name, mine[key], target, False, "no llama-server figure"))
+            results.append(Result(name, mine[key], target, False, "no llama-server figure", "s"))
             continue
+        raw = {"superfluid s": [mine[key]], "llama-server s": [peer[key]]}
         ratio = mine[key] / peer[key]
-        results.append(Result(name, ratio, target, ok(ratio), f"{mine[key]:.1f} s vs {peer[key]:.1f} s"))
+        detail = f"{mine[key]:.1f} s vs {peer[key]:.1f} s"
+        results.append(
+            Result(name, ratio, target, _meets(target)(ratio), detail, "x", "llama-server", "lower", "", raw)
+        )
         ratio = exact[key] / peer[key]
         detail = f"{exact[key]:.1f} s vs {peer[key]:.1f} s"
-        results.append(Result(f"{name}, --kernels exact", ratio, "(the price of exactness)", True, detail))
+        raw = {"superfluid --kernels exact s": [exact[key]], "llama-server s": [peer[key]]}
+        price = "(the price of exactness)"
+        results.append(
+            Result(f"{name}, --kernels exact", ratio, price, True, detail, "x", "llama-server", "lower", "", raw)
+        )
     results.append(
-        Result("chat first token behind 8 agents, QoS header (s)", mine["chat"], "<= 0.5 s", mine["chat"] <= 0.5, "")
+        Result(
+            "chat first token behind 8 agents, QoS header (s)",
+            mine["chat"],
+            "<= 0.5 s",
+            mine["chat"] <= 0.5,
+            "",
+            "s",
+            rounds={"superfluid s": [mine["chat"]]},
+        )
     )
     results.append(
         Result(
@@ -737,34 +813,84 @@ def http_results(
             "<= 2.0 s",
             plain["chat"] <= 2.0,
             f"llama-server {peer['chat']:.2f} s" if peer else "",
+            "s",
+            rounds={"superfluid s": [plain["chat"]], **({"llama-server s": [peer["chat"]]} if peer else {})},
         )
     )
     return results
 
 
-SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster", "agents")
+def _meets(target: str) -> Callable[[float], bool]:
+    """A target such as "<= 1.2" or ">= 0.95" as a test of a value."""
+    sign, bound = target.split()[:2]
+    limit = float(bound)
+    return (lambda v: v <= limit) if sign == "<=" else (lambda v: v >= limit)
 
 
 def report(results: list[Result]) -> None:
-    width = max(len(r.name) for r in results)
+    width = max((len(r.name) for r in results), default=0)
     for r in results:
         mark = "ok " if r.passed else "MISS"
         print(f"{mark} {r.name.ljust(width)}  {r.value:8.3f}  target {r.target:<26} {r.detail}", flush=True)
 
 
-RESULTS = Path(__file__).resolve().parent / "results"
+@dataclass
+class Run:
+    """The options every section runs with, and what one section hands the next."""
+
+    quick: bool
+    rounds: int | None
+    threads: int
+    root: Path
+    peers: Path | None
+    fastest: dict[int, float] = field(default_factory=dict)  # engine's fastest decode, for socket
 
 
-def save(section: str, results: list[Result]) -> None:
-    """A section's figures, with the machine they were measured on, as bench/results/SECTION.json
-    (docs/benchmarks.md is rendered from these files by bench/render.py)."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    machine = {"cpu": cpu or platform.machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    rows = [asdict(r) for r in results]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{section}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
-    print(f"{section}: figures written to {RESULTS / section}.json", flush=True)
+def run_engine(run: Run) -> list[Result]:
+    if run.peers is None:
+        print("engine: no --peers given (make bench builds them); section skipped", flush=True)
+        return []
+    results, run.fastest = engine_section(run.peers, run.quick, run.threads)
+    return results
+
+
+def run_startup(run: Run) -> list[Result]:
+    print("startup: a daemon served again after a SIGKILL", flush=True)
+    return startup_figures(run.root, run.threads, run.rounds)
+
+
+def run_spec(run: Run) -> list[Result]:
+    print("spec: speculative decoding against none", flush=True)
+    return spec_figures(run.root, run.quick, run.threads, run.rounds)
+
+
+def run_ui(run: Run) -> list[Result]:
+    print("ui: the browser UI in headless Chromium", flush=True)
+    return ui_figures(run.root, run.quick, run.rounds)
+
+
+def run_cluster(run: Run) -> list[Result]:
+    print("cluster: the PostgreSQL store against SQLite, and failover", flush=True)
+    return cluster_figures(run.root, run.threads, run.quick, run.rounds)
+
+
+def run_agents(run: Run) -> list[Result]:
+    print("agents: a Claude Code turn's first token, cold and warm", flush=True)
+    return agent_figures(run.root, run.peers, run.quick, run.threads, run.rounds)
+
+
+RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
+    "engine": run_engine,
+    "http": lambda run: http_section(run.peers, run.quick, run.threads, run.root, run.rounds),
+    "socket": lambda run: socket_section(run.quick, run.root, run.fastest, run.threads, run.rounds),
+    "park": lambda run: park_section(run.root, run.threads, run.quick),
+    "startup": run_startup,
+    "spec": run_spec,
+    "ui": run_ui,
+    "cluster": run_cluster,
+    "agents": run_agents,
+}
+assert tuple(RUNNERS) == SECTIONS
 
 
 def main() -> int:
@@ -773,44 +899,25 @@ def main() -> int:
     parser.add_argument("--peers", type=Path, help="where `make peers` built llama-server and llama-batched-bench")
     parser.add_argument("--only", choices=SECTIONS, help="run one section")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for every system")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of each measure, in every section that repeats its measures (default: each section's own; "
+        "engine and park measure once)",
+    )
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="superfluid-bench-"))
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    run = Run(args.quick, args.rounds, args.threads, Path(tempfile.mkdtemp(prefix="superfluid-bench-")), args.peers)
+    settings = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads}
     results: list[Result] = []
-    sections = [args.only] if args.only else list(SECTIONS)
-    fastest: dict[int, float] = {}
-    if "engine" in sections:
-        if args.peers is None:
-            print("engine: no --peers given (make bench builds them); section skipped", flush=True)
-        else:
-            engine, fastest = engine_section(args.peers, args.quick, args.threads)
-            results += engine
-    if "http" in sections:
-        results += http_section(args.peers, args.quick, args.threads, root)
-    if "socket" in sections:
-        results += socket_section(args.quick, root, fastest, args.threads)
-    if "park" in sections:
-        results += park_section(root, args.threads, args.quick)
-    if "startup" in sections:
-        print("startup: a daemon served again after a SIGKILL", flush=True)
-        for name, value, target, passed, detail in startup_figures(root, args.threads):
-            results.append(Result(name, value, target, passed, detail))
-    if "spec" in sections:
-        print("spec: speculative decoding against none", flush=True)
-        for name, value, target, passed, detail in spec_figures(root, args.quick, args.threads):
-            results.append(Result(name, value, target, passed, detail))
-    if "ui" in sections:
-        print("ui: the browser UI in headless Chromium", flush=True)
-        for name, value, limit, detail in ui_figures(root, args.quick):
-            results.append(Result(name, value, f"<= {limit:g}", value <= limit, detail))
-    if "cluster" in sections:
-        print("cluster: the PostgreSQL store against SQLite, and failover", flush=True)
-        results += cluster_figures(root, args.threads, args.quick, Result)
-    if "agents" in sections:
-        print("agents: a Claude Code turn's first token, cold and warm", flush=True)
-        agents = [Result(*row) for row in agent_figures(root, args.peers, args.quick, args.threads)]
-        if not args.quick:
-            save("agents", agents)
-        results += agents
+    for section in [args.only] if args.only else SECTIONS:
+        began = time.monotonic()
+        rows = RUNNERS[section](run)
+        if rows:  # a section that measured nothing (a peer or a tool missing) keeps its last file
+            save(section, rows, settings)
+        print(f"{section}: {time.monotonic() - began:.0f} s", flush=True)
+        results += rows
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1

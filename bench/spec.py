@@ -17,6 +17,7 @@ import httpx
 import load
 import numpy as np
 from peer import Superfluid
+from record import Result
 
 from superfluid.metrics import read_metric
 
@@ -83,8 +84,9 @@ def chat(seed: int) -> load.Chat:
     return load.Chat([{"role": "user", "content": f"Tell me a long story about lighthouse keeper {seed}."}], TOKENS)
 
 
-def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float, str, bool, str]]:
-    """(name, value, target, passed, detail) rows."""
+def spec_figures(root: Path, quick: bool, threads: int, rounds: int | None = None) -> list[Result]:
+    """Each mode's decode rate over `off`'s, by workload and streams; how many drafts were kept."""
+    rounds = rounds or (1 if quick else ROUNDS)
     daemons = {  # the gate's decisions go to each log
         mode: Superfluid(
             root / f"spec-{mode}", 4096, 8, "--threads", str(threads), "--no-park", "--speculate", mode, *LOG_GATE
@@ -99,7 +101,7 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
         seed = 1
         for workload, make in (("rewrite", rewrite), ("chat", chat)):
             for streams in (1, 4, 8):
-                for turn in range(1 if quick else ROUNDS):
+                for turn in range(rounds):
                     for mode in MODES[turn % len(MODES) :] + MODES[: turn % len(MODES)]:  # who goes first rotates
                         chats = [make(seed + i) for i in range(streams)]
                         rate = load.decode_rate(load.together(daemons[mode].url, chats))
@@ -131,38 +133,56 @@ def spec_figures(root: Path, quick: bool, threads: int) -> list[tuple[str, float
             for mode in ("prompt-lookup", "auto"):
                 mine = float(np.median(rates[(workload, mode, streams)]))
                 # each round's ratio is of measures taken seconds apart: the machine's drift cancels out
-                rounds = [r / o for r, o in zip(rates[(workload, mode, streams)], plain, strict=True)]
-                ratio = float(np.median(rounds))
+                ratios = [r / o for r, o in zip(rates[(workload, mode, streams)], plain, strict=True)]
+                ratio = float(np.median(ratios))
                 if mode == "auto":
                     target = ">= 1.5" if (workload, streams) == ("rewrite", 1) else ">= 0.97"
                     passed = ratio >= (1.5 if target == ">= 1.5" else 0.97)
                 else:
                     target, passed = "(reported)", True
                 rows.append(
-                    (
+                    Result(
                         f"{workload}, {streams} stream{'s' if streams > 1 else ''}: {mode} / off",
                         ratio,
                         target,
                         passed,
-                        f"{mine:.1f} vs {off:.1f} tok/s; rounds {', '.join(f'{r:.2f}' for r in rounds)}",
+                        f"{mine:.1f} vs {off:.1f} tok/s; rounds {', '.join(f'{r:.2f}' for r in ratios)}",
+                        "x",
+                        "--speculate off",
+                        "higher",
+                        rounds={
+                            f"{mode} tok/s": rates[(workload, mode, streams)],
+                            "off tok/s": plain,
+                            "ratio": ratios,
+                        },
                     )
                 )
     for mode in ("prompt-lookup", "auto"):
         accepted, proposed = acceptance[mode]
         share = accepted / proposed if proposed else 0.0
         rows.append(
-            (f"drafted tokens accepted, {mode}", share, "(reported)", True, f"{accepted:.0f} of {proposed:.0f}")
+            Result(
+                f"drafted tokens accepted, {mode}",
+                share,
+                "(reported)",
+                True,
+                f"{accepted:.0f} of {proposed:.0f}",
+                "share",
+                rounds={"accepted": [accepted], "proposed": [proposed]},
+            )
         )
     log = daemons["auto"].log.read_text()
     kept = log.count("speculation on at ")
     dropped = log.count("speculation off at ")
     rows.append(
-        (
+        Result(
             "auto's probes that kept drafts",
             kept / max(1, kept + dropped),
             "(reported)",
             True,
             f"{kept} of {kept + dropped}",
+            "share",
+            rounds={"kept": [kept], "dropped": [dropped]},
         )
     )
     return rows
