@@ -29,7 +29,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster", "agents")
+SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster", "agents", "http-large")
 ROW_FIELDS = ("name", "value", "unit", "baseline", "better", "target", "passed", "detail", "headline", "rounds")
 
 

@@ -4,11 +4,11 @@
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
-                                                # cluster or agents
+                                                # cluster, agents or http-large
     .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
     .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
-Nine sections, one system driven at a time:
+Ten sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -32,7 +32,11 @@ Nine sections, one system driven at a time:
 - cluster: the PostgreSQL store against SQLite (commit latency per tick, decode at 8 streams),
   and failover to another daemon after a SIGKILL (bench/cluster.py);
 - agents: a Claude Code turn's first token, cold and warm (a second turn with the same system
-  prompt and tools), on superfluid and llama-server (bench/agents.py).
+  prompt and tools), on superfluid and llama-server (bench/agents.py);
+- http-large: the http section again on a random-weight model of the embedded one's
+  architecture at about 0.7B parameters (bench/random_model.py writes it once, with llama.cpp's
+  gguf-py, and caches it), where decoding is bound by memory bandwidth as on the models people
+  run; every request there uses `ignore_eos`, since its text is noise.
 Each section that measured something writes bench/results/SECTION.json (bench/record.py: the
 machine, the commit, the date, the settings, and per figure its median, unit, baseline, target
 and every round's raw values); bench/render.py renders docs/benchmarks.md and the README's
@@ -61,6 +65,7 @@ import numpy as np
 from agents import agent_figures
 from cluster import cluster_figures
 from peer import LlamaServer, Superfluid, batched_bench
+from random_model import Shape, random_model
 from record import SECTIONS, Result, median_round, save
 from spec import spec_figures
 from startup import startup_figures
@@ -680,21 +685,25 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
     return figures
 
 
-def http_section(peers: Path | None, quick: bool, threads: int, root: Path, rounds: int | None = None) -> list[Result]:
+def http_section(
+    peers: Path | None, quick: bool, threads: int, root: Path, rounds: int | None = None, model: Path | None = None
+) -> list[Result]:
+    """The HTTP figures against llama-server, on `model` (the embedded one when None)."""
     window, lanes = 4096, 8
+    model = model or embedded_model().path
+    served = (str(model),)
     systems: dict[str, Callable[..., Superfluid | LlamaServer]] = {
         "superfluid": lambda tag, *extra: Superfluid(
-            root / f"superfluid-{tag}", window, lanes, "--threads", str(threads), *extra
+            root / f"superfluid-{tag}", window, lanes, *served, "--threads", str(threads), *extra
         )
     }
-    exact = ("--threads", str(threads), "--kernels", "exact")
+    exact = (*served, "--threads", str(threads), "--kernels", "exact")
     agent_systems = {
         **systems,
         "superfluid exact": lambda tag: Superfluid(root / f"exact-{tag}", window, lanes, *exact),
     }
     server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
     if server_binary is not None and server_binary.exists():
-        model = embedded_model().path
         systems["llama-server"] = agent_systems["llama-server"] = lambda tag, *_: LlamaServer(
             server_binary, model, root / f"llama-server-{tag}", lanes, window, threads
         )
@@ -879,6 +888,22 @@ def run_agents(run: Run) -> list[Result]:
     return agent_figures(run.root, run.peers, run.quick, run.threads, run.rounds)
 
 
+def run_http_large(run: Run) -> list[Result]:
+    """The HTTP section again on a model of the size people run (`random_model.py`), every figure named for it."""
+    if run.peers is None:
+        print("http-large: needs --peers (llama.cpp's gguf-py writes the model; llama-server is compared)", flush=True)
+        return []
+    shape = Shape()
+    model = random_model(run.peers, shape)
+    size = f"{shape.parameters(LlamaModel(model, vocab_only=True).n_vocab) / 1e9:.1f}B"
+    print(f"http-large: the HTTP figures on {model.name}, {size} parameters of random weights", flush=True)
+    rows = http_section(run.peers, run.quick, run.threads, run.root / "large", run.rounds, model)
+    for row in rows:
+        row.name = f"{row.name}, {size} model"
+        row.headline = f"{row.headline}, {size} model" if row.headline else ""
+    return rows
+
+
 RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "engine": run_engine,
     "http": lambda run: http_section(run.peers, run.quick, run.threads, run.root, run.rounds),
@@ -889,6 +914,7 @@ RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "ui": run_ui,
     "cluster": run_cluster,
     "agents": run_agents,
+    "http-large": run_http_large,
 }
 assert tuple(RUNNERS) == SECTIONS
 

@@ -1,0 +1,162 @@
+"""A random-weight GGUF of the embedded model's architecture at a size people run, for the bench.
+
+    .venv/bin/python bench/random_model.py --peers ~/.cache/superfluid/peers/<build>   # prints its path
+
+The embedded SmolLM2-135M decodes in a few milliseconds a token, where fixed costs per step
+dominate; the models people serve (0.5-8B) are bound by memory bandwidth instead. This writes
+a llama-architecture model with SmolLM2's tokenizer and chat template, but wider and with its
+own layer count (about 0.7B parameters by default), its weights drawn at random and quantized
+to Q4_1 like the embedded model's. Its text is noise and its cost is real: requests to it use
+`ignore_eos`, so their lengths are fixed. The writer is llama.cpp's own `gguf-py`, from the
+source tree `make` unpacks next to the peers; the file is cached under
+`~/.cache/superfluid/models/`, named by its shape, and written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CACHE = Path.home() / ".cache" / "superfluid" / "models"
+SEED = 20261203  # the weights are the same on every machine that writes the file
+HEAD_DIM = 64  # SmolLM2's
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions that set a llama model's size; the rest comes from the embedded model."""
+
+    width: int = 1536  # n_embd
+    layers: int = 24
+    ffn: int = 4096
+    kv_heads: int = 8
+
+    @property
+    def heads(self) -> int:
+        return self.width // HEAD_DIM
+
+    def parameters(self, vocab: int) -> int:
+        attention = 2 * self.width * self.width + 2 * self.width * self.kv_heads * HEAD_DIM
+        return vocab * self.width + self.layers * (attention + 3 * self.width * self.ffn + 2 * self.width)
+
+    @property
+    def name(self) -> str:
+        return f"random-llama-w{self.width}-l{self.layers}-f{self.ffn}-kv{self.kv_heads}-q4_1"
+
+
+def gguf_py(peers: Path) -> Any:
+    """llama.cpp's gguf-py package from the source tree under `peers`, imported."""
+    found = sorted(peers.glob("src/llama_cpp_python-*/vendor/llama.cpp/gguf-py"))
+    if not found:
+        raise SystemExit(f"no llama.cpp source under {peers}/src: run `make peers` first")
+    sys.path.insert(0, str(found[-1]))
+    import gguf
+
+    return gguf
+
+
+# keys the new shape replaces (with the architecture's prefix), and the weights' file type
+SHAPE_KEYS = (
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.dimension_count",
+)
+
+
+def write(shape: Shape, peers: Path, source: Path, target: Path) -> None:
+    """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
+    weights drawn at random, quantized to Q4_1."""
+    gguf = gguf_py(peers)
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise SystemExit(f"{source} is a {arch} model; this writer knows llama's tensors only")
+    replaced = {f"{arch}.{key}" for key in SHAPE_KEYS} | {"general.architecture", "general.name", "general.file_type"}
+    writer = gguf.GGUFWriter(target.with_suffix(".partial"), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in replaced:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    writer.add_name(shape.name)
+    writer.add_embedding_length(shape.width)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(SEED)
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+
+    def matrix(name: str, rows: int, columns: int) -> None:
+        weights = rng.normal(0.0, 0.02, size=(rows, columns)).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(weights, q4_1), raw_dtype=q4_1)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(shape.width, dtype=np.float32))
+
+    kv = shape.kv_heads * HEAD_DIM
+    matrix("token_embd.weight", vocab, shape.width)  # tied: the output reads it too, as SmolLM2's does
+    for layer in range(shape.layers):
+        block = f"blk.{layer}"
+        norm(f"{block}.attn_norm.weight")
+        matrix(f"{block}.attn_q.weight", shape.width, shape.width)
+        matrix(f"{block}.attn_k.weight", kv, shape.width)
+        matrix(f"{block}.attn_v.weight", kv, shape.width)
+        matrix(f"{block}.attn_output.weight", shape.width, shape.width)
+        norm(f"{block}.ffn_norm.weight")
+        matrix(f"{block}.ffn_gate.weight", shape.ffn, shape.width)
+        matrix(f"{block}.ffn_up.weight", shape.ffn, shape.width)
+        matrix(f"{block}.ffn_down.weight", shape.width, shape.ffn)
+    norm("output_norm.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target.with_suffix(".partial").rename(target)  # a file of this name is whole
+
+
+def random_model(peers: Path, shape: Shape = Shape(), cache: Path = CACHE) -> Path:
+    """The cached model of `shape`, written first if it is not there."""
+    from superfluid.model.resolve import embedded_model
+
+    target = cache / f"{shape.name}.gguf"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        source = embedded_model().path
+        started = time.monotonic()
+        print(f"writing {target.name} (once): {source.name}'s architecture at this shape", file=sys.stderr)
+        write(shape, peers, source, target)
+        size = target.stat().st_size / 1e6
+        print(f"wrote {target} ({size:.0f} MB) in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=Path, required=True, help="the Makefile's PEERS directory")
+    parser.add_argument("--width", type=int, default=Shape.width, help="n_embd (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=Shape.layers, help="blocks (default: %(default)s)")
+    parser.add_argument("--ffn", type=int, default=Shape.ffn, help="feed-forward width (default: %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=Shape.kv_heads, help="KV heads (default: %(default)s)")
+    args = parser.parse_args()
+    for name, value in (("width", args.width), ("ffn", args.ffn)):
+        if value <= 0 or value % HEAD_DIM:
+            parser.error(f"--{name} must be a positive multiple of {HEAD_DIM}, not {value}")
+    print(random_model(args.peers, Shape(args.width, args.layers, args.ffn, args.kv_heads)))
+
+
+if __name__ == "__main__":
+    main()
