@@ -29,7 +29,19 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SECTIONS = ("engine", "http", "socket", "park", "startup", "spec", "ui", "cluster", "agents", "http-large")
+SECTIONS = (
+    "engine",
+    "http",
+    "socket",
+    "park",
+    "startup",
+    "spec",
+    "ui",
+    "cluster",
+    "agents",
+    "engine-large",
+    "http-large",
+)
 ROW_FIELDS = ("name", "value", "unit", "baseline", "better", "target", "passed", "detail", "headline", "rounds")
 
 

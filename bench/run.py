@@ -4,11 +4,11 @@
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
-                                                # cluster, agents or http-large
+                                                # cluster, agents, engine-large or http-large
     .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
     .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
-Ten sections, one system driven at a time:
+Eleven sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
   (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
@@ -33,7 +33,7 @@ Ten sections, one system driven at a time:
   and failover to another daemon after a SIGKILL (bench/cluster.py);
 - agents: a Claude Code turn's first token, cold and warm (a second turn with the same system
   prompt and tools), on superfluid and llama-server (bench/agents.py);
-- http-large: the http section again on a random-weight model of the embedded one's
+- engine-large, http-large: the engine and http sections again on a random-weight model of the embedded one's
   architecture at about 0.7B parameters (bench/random_model.py writes it once, with llama.cpp's
   gguf-py, and caches it), where decoding is bound by memory bandwidth as on the models people
   run; every request there uses `ignore_eos`, since its text is noise.
@@ -419,9 +419,12 @@ OUR_ENGINES = {"fast": ENGINE_CONFIGS[2][0], "exact": ENGINE_CONFIGS[4][0]}
 HEADLINE_PROMPT = 1500  # the prompt whose prefill the README's summary shows
 
 
-def engine_section(peers: Path, quick: bool, threads: int) -> tuple[list[Result], dict[int, float]]:
-    """Prefill and decode of each configuration; returns the results and the fastest decode per stream count."""
-    model = embedded_model().path
+def engine_section(
+    peers: Path, quick: bool, threads: int, model: Path | None = None
+) -> tuple[list[Result], dict[int, float]]:
+    """Prefill and decode of each configuration, on `model` (the embedded one when None); returns the results
+    and the fastest decode per stream count."""
+    model = model or embedded_model().path
     prompts = (100, HEADLINE_PROMPT) if quick else (100, HEADLINE_PROMPT, 4000)
     tokens = 64 if quick else 128
     rows: dict[str, list[dict]] = {}
@@ -888,20 +891,42 @@ def run_agents(run: Run) -> list[Result]:
     return agent_figures(run.root, run.peers, run.quick, run.threads, run.rounds)
 
 
-def run_http_large(run: Run) -> list[Result]:
-    """The HTTP section again on a model of the size people run (`random_model.py`), every figure named for it."""
+def large_model(run: Run, section: str) -> tuple[Path, str] | None:
+    """The random-weight model the `-large` sections run on, and its size in words; None without the peers."""
     if run.peers is None:
-        print("http-large: needs --peers (llama.cpp's gguf-py writes the model; llama-server is compared)", flush=True)
-        return []
+        print(f"{section}: needs --peers (llama.cpp's gguf-py writes the model; llama.cpp is compared)", flush=True)
+        return None
     shape = Shape()
     model = random_model(run.peers, shape)
     size = f"{shape.parameters(LlamaModel(model, vocab_only=True).n_vocab) / 1e9:.1f}B"
-    print(f"http-large: the HTTP figures on {model.name}, {size} parameters of random weights", flush=True)
-    rows = http_section(run.peers, run.quick, run.threads, run.root / "large", run.rounds, model)
+    print(f"{section}: on {model.name}, {size} parameters of random weights", flush=True)
+    return model, size
+
+
+def named_for(rows: list[Result], size: str) -> list[Result]:
+    """A section's rows, each named for the model they were measured on."""
     for row in rows:
         row.name = f"{row.name}, {size} model"
         row.headline = f"{row.headline}, {size} model" if row.headline else ""
     return rows
+
+
+def run_engine_large(run: Run) -> list[Result]:
+    """The engine section on a model of the size people run: prefill and decode of each configuration."""
+    found = large_model(run, "engine-large")
+    if found is None or run.peers is None:
+        return []
+    model, size = found
+    return named_for(engine_section(run.peers, run.quick, run.threads, model)[0], size)
+
+
+def run_http_large(run: Run) -> list[Result]:
+    """The HTTP section again on a model of the size people run (`random_model.py`), every figure named for it."""
+    found = large_model(run, "http-large")
+    if found is None:
+        return []
+    model, size = found
+    return named_for(http_section(run.peers, run.quick, run.threads, run.root / "large", run.rounds, model), size)
 
 
 RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
@@ -914,6 +939,7 @@ RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "ui": run_ui,
     "cluster": run_cluster,
     "agents": run_agents,
+    "engine-large": run_engine_large,
     "http-large": run_http_large,
 }
 assert tuple(RUNNERS) == SECTIONS
