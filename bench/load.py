@@ -33,6 +33,12 @@ class Reply:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    arrivals: list[float] = field(default_factory=list)  # when each chunk of generated text came
+
+    @property
+    def gaps(self) -> list[float]:
+        """Seconds between one chunk of text and the next: what a reader of the stream waits."""
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
     @property
     def ttft(self) -> float:
@@ -88,8 +94,10 @@ def send(url: str, chat: Chat) -> Reply:
                 chunk = json.loads(line[len("data: ") :])
                 choices = chunk.get("choices") or []
                 delta = choices[0].get("delta", {}) if choices else {}
-                if reply.first is None and (delta.get("content") or delta.get("reasoning_content")):
-                    reply.first = time.monotonic()
+                if delta.get("content") or delta.get("reasoning_content"):
+                    reply.arrivals.append(time.monotonic())
+                    if reply.first is None:
+                        reply.first = reply.arrivals[-1]
                 usage = chunk.get("usage")
                 if usage:
                     reply.completion_tokens = usage.get("completion_tokens", 0)
@@ -130,6 +138,12 @@ def decode_rate(replies: list[Reply]) -> float:
     started = min(r.first for r in replies if r.first is not None)
     ended = max(r.done for r in replies)
     return sum(r.completion_tokens for r in replies) / (ended - started)
+
+
+def gap_p99(replies: list[Reply]) -> float:
+    """The 99th percentile of the gaps between chunks, over every stream."""
+    gaps = [gap for reply in replies for gap in reply.gaps]
+    return float(np.percentile(gaps, 99)) if gaps else 0.0
 
 
 def timed(block: Callable[[], list[Reply]]) -> tuple[list[Reply], float]:
