@@ -257,3 +257,29 @@ def test_the_protocol_reference_is_written_from_the_schema() -> None:
     page = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
     assert page.read_text() == render(), "run: python -m superfluid.protocol.doc > docs/protocol.md"
     assert "| 34 | `AppendSystem` | session `u64`, text `Option<String>`, tools `Vec<String>` |" in page.read_text()
+
+
+def test_threads_decoding_their_first_messages_at_once_each_get_a_whole_shape() -> None:
+    """A shape is published only once it is whole: a thread never decodes with an enum whose variants are
+    still being filled in (it read `unknown Response variant index 0` before)."""
+    import threading
+
+    from superfluid.protocol import types
+
+    data = postcard.encode(Response.Created(7), Response)
+    for _ in range(5):
+        types._shapes.clear()
+        failures: list[BaseException] = []
+
+        def decode(failures: list[BaseException] = failures) -> None:
+            try:
+                assert postcard.decode(data, Response) == Response.Created(7)
+            except BaseException as e:
+                failures.append(e)
+
+        threads = [threading.Thread(target=decode) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures[0]

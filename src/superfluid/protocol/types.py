@@ -157,10 +157,11 @@ class EnumShape:
 
 Shape = PrimShape | FixedShape | VecShape | OptionShape | TupleShape | StructShape | EnumShape
 
-_shapes: dict[type, StructShape | EnumShape] = {}
-# A shape is registered before its parts are filled in (an enum may nest itself): another thread must not
-# read it half-made, so the registry is built under one lock, which the building thread re-enters.
-_shapes_lock = threading.RLock()
+_shapes: dict[type, StructShape | EnumShape] = {}  # whole shapes only: read with no lock by every codec call
+# Shapes being built: registered before their parts are filled in (an enum may nest itself), and
+# published to `_shapes` whole once the outermost one is done, so no thread reads one half-made.
+_building: dict[type, StructShape | EnumShape] = {}
+_building_lock = threading.RLock()
 
 _PLAIN = {bool: BOOL_T, str: STR_T, bytes: BLOB_T}
 
@@ -196,21 +197,26 @@ def shape_of(tp: Any) -> Any:
 
 
 def _class_shape(cls: type) -> StructShape | EnumShape:
-    with _shapes_lock:
-        return _built_shape(cls)
-
-
-def _built_shape(cls: type) -> StructShape | EnumShape:
     cached = _shapes.get(cls)
     if cached is not None:
         return cached
+    with _building_lock:
+        outermost = not _building
+        shape = _shapes.get(cls) or _building.get(cls) or _built_shape(cls)
+        if outermost:
+            _shapes.update(_building)
+            _building.clear()
+        return shape
+
+
+def _built_shape(cls: type) -> StructShape | EnumShape:
     if issubclass(cls, Enum):
         enum_shape = EnumShape(cls)
-        _shapes[cls] = enum_shape  # registered first: enums may nest themselves
-        enum_shape.variants = tuple(_built_shape(v) for v in cls.variants)  # type: ignore[misc]
+        _building[cls] = enum_shape  # registered first: enums may nest themselves
+        enum_shape.variants = tuple(_class_shape(v) for v in cls.variants)  # type: ignore[misc]
         return enum_shape
     struct_shape = StructShape(cls)
-    _shapes[cls] = struct_shape
+    _building[cls] = struct_shape
     module = sys.modules[cls.__module__]
     hints = typing.get_type_hints(cls, globalns=vars(module), include_extras=True)
     struct_shape.fields = tuple(

@@ -89,34 +89,35 @@ class KVTiers:
         token costs now, in seconds, against which reading from the park is weighed.
         """
         now = self.now_ms()
+        busy = set(running)  # the running lanes' slots
         seed = self.cache.lookup(tokens, running, now)
         if seed is not None and not seed.take and seed.length < MIN_COPY_TOKENS:
             seed = None  # copying a whole slot costs more than prefilling a few tokens
         hosted = self.cache.host.lookup(tokens, len(tokens) - 1)
         warm = seed.length if seed else 0
-        resumed = self._resume(tokens, max(warm, hosted[1] if hosted else 0), set(running), token_cost)
+        resumed = self._resume(tokens, max(warm, hosted[1] if hosted else 0), busy, token_cost)
         if resumed is not None:
             seq, length = resumed
             return Placement(seq, length, "park", f"{length} warm from the park")
         if hosted is not None and hosted[1] > warm + EXPORT_MIN_TOKENS:
             entry, length = hosted
-            seq = self._import(entry.state, length, set(running))
+            seq = self._import(entry.state, length, busy)
             self.stats.imports += 1
             return Placement(seq, length, "host", f"{length} warm from host memory")
         starved = not self.free and seed is not None and self.cache.victim(now, spare=seed.seq) is None
         if seed is not None and not seed.take and starved:
             # the entry to copy from is the only one left to evict: take it over instead
             seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
-        if seed is not None and seed.take and self._scatters(seed.seq, set(running)) and seed.length >= MIN_COPY_TOKENS:
+        if seed is not None and seed.take and self._scatters(seed.seq, busy) and seed.length >= MIN_COPY_TOKENS:
             seed = Seed(seed.seq, seed.length, take=False)  # copy it next to the running lanes instead
         if seed is None:
-            return Placement(self._free_slot(set(running)), 0, "cold", "cold")
+            return Placement(self._free_slot(busy), 0, "cold", "cold")
         if seed.take:
             self.cache.remove(seed.seq)
             self.engine.truncate(seed.seq, seed.length)
             seq = seed.seq
         else:
-            seq = self._free_slot(set(running), spare=seed.seq)
+            seq = self._free_slot(busy, spare=seed.seq)
             self.engine.copy(seed.seq, seq, seed.length)
             self.cache.touch(seed.seq)
         return Placement(seq, seed.length, "slot", f"{seed.length} warm from slot {seed.seq}")
