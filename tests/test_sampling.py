@@ -49,7 +49,7 @@ def reference(logits: np.ndarray, p: GenParams, position: int) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    vocab=st.integers(2, 700),
+    vocab=st.integers(2, 5000),
     seed=st.integers(0, 2**64 - 1),
     position=st.integers(0, 10_000),
     temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
@@ -57,6 +57,7 @@ def reference(logits: np.ndarray, p: GenParams, position: int) -> int:
     min_p=st.sampled_from([0.0, 0.05, 0.2]),
     top_k=st.sampled_from([0, 1, 5, 40, 100000]),
     ties=st.booleans(),
+    spread=st.sampled_from([0.3, 3.0]),  # a flat row (top-p keeps most of it) and a peaked one
     data=st.data(),
 )
 def test_sampler_matches_the_literal_rules(
@@ -68,10 +69,11 @@ def test_sampler_matches_the_literal_rules(
     min_p: float,
     top_k: int,
     ties: bool,
+    spread: float,
     data: st.DataObject,
 ) -> None:
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    logits = rng.normal(0, 3, vocab).astype(np.float32)
+    logits = rng.normal(0, spread, vocab).astype(np.float32)
     if ties:
         logits = np.round(logits).astype(np.float32)  # many equal logits
     params = GenParams(temperature, top_p, min_p, top_k, seed)
