@@ -41,6 +41,8 @@ SECTIONS = (
     "agents",
     "engine-large",
     "http-large",
+    "sustained",
+    "sustained-large",
 )
 ROW_FIELDS = ("name", "value", "unit", "baseline", "better", "target", "passed", "detail", "headline", "rounds")
 

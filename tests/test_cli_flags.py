@@ -203,6 +203,9 @@ def test_export_takes_jsonl_without_being_told(capsys: pytest.CaptureFixture[str
         (["--web", "10.0.0.1:8460"], "the browser transport listens on loopback only"),
         (["--lease-renew", "20"], "--lease-renew 20 must be below --lease-expiry 10"),
         (["--socket", "/tmp/" + "s" * 120], "a unix socket allows; pass a shorter --socket"),
+        (["--cors-origin", "*", "--api-key", "k"], "--cors-origin * would let any web page send a key"),
+        (["--cors-origin", "ftp://x"], "expected an origin such as https://app.example.com"),
+        (["--cors-origin", "https://app.example.com/chat"], "expected an origin such as"),
     ],
 )
 def test_what_depends_on_other_flags_is_refused_before_the_daemon_starts(

@@ -83,6 +83,22 @@ def test_openai_streaming(oa: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
 
 
+def test_openai_stream_usage_apart_when_asked(oa: openai.OpenAI) -> None:
+    stream = oa.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=FORCED,
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8, "usage in a chunk of its own"
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-2].usage is None
+    assert all(c.usage is None for c in chunks[:-1])
+
+
 def test_openai_tool_calls_and_json(oa: openai.OpenAI) -> None:
     forced = oa.chat.completions.create(
         model="smollm2",
@@ -284,7 +300,13 @@ def test_ollama_chat_generate_and_tags(api: HttpDaemon) -> None:
     assert streamed == reply.message.content
     generated = client.generate(model="smollm2", prompt="Name a river.", options=options)
     assert generated.done and generated.eval_count == 12
-    assert [m.model for m in client.list().models] == ["SmolLM2-135M-Instruct:latest"]
+    served = [m["id"] for m in httpx.get(f"{api.url}/v1/models").json()["data"]]
+    assert [m.model for m in client.list().models] == served, "listed under the id /v1/models gives"
+    assert [m.model for m in client.ps().models] == served
+    for manage in (lambda: client.pull("smollm2"), lambda: client.delete("smollm2"), lambda: client.copy("a", "b")):
+        with pytest.raises(ollama.ResponseError, match="not served by superfluid") as refused:
+            manage()
+        assert refused.value.status_code == 501
     with pytest.raises(ollama.ResponseError, match="unsupported option: mirostat"):
         client.chat(model="smollm2", messages=[{"role": "user", "content": "x"}], options={"mirostat": 1})
 

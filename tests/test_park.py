@@ -91,6 +91,24 @@ def test_the_least_recently_used_go_first_past_the_budget(tmp_path: Path) -> Non
     assert park.bytes == 2 * size
 
 
+def test_a_writer_behind_by_the_limit_passes_states_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = threading.Event()  # the disk answers when the test says so
+    write = Park._write
+    monkeypatch.setattr(Park, "_write", lambda self, tokens, state: (disk.wait(10), write(self, tokens, state)))
+    monkeypatch.setattr(park_module, "PENDING_LIMIT", 2 * len(STATE))
+    park = Park(tmp_path, FINGERPRINT, 0)
+    prefixes = [np.arange(n, n + 40, dtype=np.int32) for n in (1000, 2000, 3000, 4000)]
+    for tokens in prefixes:
+        park.put(tokens, STATE)
+    assert park.passed_over == 2, "two states wait for the disk; the others are not held in memory"
+    disk.set()
+    park.flush()
+    assert [park.holds(t) for t in prefixes] == [True, True, False, False]
+    park.put(prefixes[3], STATE)  # the writer caught up: parking goes on
+    park.flush()
+    assert park.holds(prefixes[3]) and park.passed_over == 2
+
+
 @pytest.mark.e2e
 def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path) -> None:
     daemon = HttpDaemon(tmp_path / "a", max_context=2048, max_batch=2).start()

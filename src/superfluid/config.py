@@ -76,6 +76,7 @@ class ServeConfig:
     no_http: bool = False
     web: str | None = None
     web_origins: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)  # pages of other origins that may call the HTTP API
     offline: bool = False
     log_filter: str = "info"
     fim_tokens: tuple[int, int, int] | None = None

@@ -75,6 +75,7 @@ class _SchedulerCollector(Collector):
             ("parks", "parks", "KV states written to the park"),
             ("resumes", "resumes", "Prefixes imported back from the park"),
             ("park_refused", "refused", "Parked files that failed a check, deleted"),
+            ("park_passed_over", "passed_over", "States not parked: the writer was too far behind"),
         ):
             yield family(CounterMetricFamily, name, doc, _park_stat(field))
         for name, doc, value in (

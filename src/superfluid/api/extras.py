@@ -6,7 +6,8 @@
   and llama.cpp's `repeat_penalty` (alias `repetition_penalty`) become the job's `Shaping`.
 - `chat_template_kwargs`, and the top-level `enable_thinking` and `reasoning_effort` that the
   kwargs override, become the chat template's variables.
-- `stream_options` is accepted: usage is always on a stream's last chunk.
+- `stream_options.include_usage` sends a stream's usage in a last chunk of its own with no
+  choices; without it the usage rides on the chunk that carries the finish reason.
 """
 
 from __future__ import annotations

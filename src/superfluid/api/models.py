@@ -3,7 +3,8 @@
 `GET /v1/models` lists every known model with `loaded` and its context window;
 `POST /v1/models/load` loads one (a known id, or a path or hub id with `runtime`);
 `POST /v1/models/unload` stops its worker and frees its memory (in-flight generations end
-with an error; the last loaded model cannot be unloaded); `DELETE /v1/models/{id}` forgets
+with an error; a daemon's only model cannot be unloaded, while any other model named on the
+command line or loaded since may be); `DELETE /v1/models/{id}` forgets
 it. A request naming an unloaded model loads it again on demand.
 """
 

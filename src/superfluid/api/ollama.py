@@ -1,4 +1,8 @@
-"""Ollama-compatible routes: /api/chat, /api/generate, /api/tags, /api/show, /api/version, /.
+"""Ollama-compatible routes: /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /.
+
+`/api/tags` and `/api/ps` name each model by the id `/v1/models` gives it. Ollama's model
+management (`pull`, `push`, `create`, `copy`, `delete`, `blobs`) answers 501 in Ollama's error
+shape, saying what to use instead.
 
 Streaming is on unless `"stream": false`, as in Ollama: one JSON object per line, the
 last with `"done": true`, `done_reason`, and the token counts
@@ -35,6 +39,7 @@ from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, s
 from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
 from .openai import GONE, Body, sampling
 
+MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}")
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
 
 
@@ -121,16 +126,12 @@ def _request(
     )
 
 
-def _tag(model_id: str) -> str:
-    return model_id if ":" in model_id.split("/")[-1] else f"{model_id}:latest"
-
-
 def _entry(daemon: Daemon, model_id: str) -> dict[str, Any]:
     path = daemon.models.known[model_id].path
     stat = path.stat()
     return {
-        "name": _tag(model_id),
-        "model": _tag(model_id),
+        "name": model_id,
+        "model": model_id,
         "modified_at": datetime.fromtimestamp(stat.st_mtime, tz=UTC).isoformat().replace("+00:00", "Z"),
         "size": stat.st_size,
         "digest": hashlib.sha256(str(path).encode()).hexdigest(),
@@ -172,6 +173,16 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     @api.get("/api/ps")
     async def ps() -> dict[str, Any]:
         return {"models": [{**_entry(daemon, r.id), "context_length": r.window} for r in daemon.models.loaded()]}
+
+    async def management(http: Request) -> Response:
+        return error(
+            f"{http.url.path} is not served by superfluid: models are GGUF files it loads by path or Hugging "
+            "Face id (POST /v1/models/load, or --model at start)",
+            501,
+        )
+
+    for route in MANAGEMENT:
+        api.add_api_route(route, management, methods=["POST", "DELETE", "HEAD"], include_in_schema=False)
 
     @api.post("/api/show")
     async def show(body: ShowBody) -> Response:
@@ -225,7 +236,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             return error(str(e), e.status)
         except ToolDeclarationError as e:
             return error(str(e))
-        return await _respond(run, http, policy, body.model or _tag(runtime.id), body.stream, chat=True)
+        return await _respond(run, http, policy, body.model or runtime.id, body.stream, chat=True)
 
     @api.post("/api/generate")
     async def generate(body: GenerateBody, http: Request) -> Response:
@@ -253,7 +264,7 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
             run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status)
-        return await _respond(run, http, policy, body.model or _tag(runtime.id), body.stream, chat=False)
+        return await _respond(run, http, policy, body.model or runtime.id, body.stream, chat=False)
 
     return api
 

@@ -217,7 +217,8 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
         reply_id = f"chatcmpl-superfluid-{next(_ids)}"
         name = body.model or runtime.id
         if body.stream:
-            return await _chat_stream_reply(runs[0], http, reply_id, name, logprobs >= 0)
+            usage_apart = bool((body.stream_options or {}).get("include_usage"))
+            return await _chat_stream_reply(runs[0], http, reply_id, name, logprobs >= 0, usage_apart)
         return await answer(policy, lambda: _chat_reply(runs, http, reply_id, name, logprobs >= 0))
 
     @api.post("/v1/completions")
@@ -363,38 +364,39 @@ async def _first_pieces(pieces: AsyncIterator[Piece]) -> list[Piece]:
     return [] if piece is None else [piece]
 
 
-async def _chat_stream_reply(run: ChatRun, http: Request, reply_id: str, name: str, logprobs: bool) -> Response:
+async def _chat_stream_reply(
+    run: ChatRun, http: Request, reply_id: str, name: str, logprobs: bool, usage_apart: bool
+) -> Response:
     """A streamed reply, answered once the run has its first piece (by then its warm prefix is known),
-    or has failed before it: a failure is an error chunk then `[DONE]` either way."""
+    or has failed before it: a failure is an error chunk then `[DONE]` either way. `usage_apart`
+    (the client's `stream_options.include_usage`) sends the usage in a chunk of its own with no
+    choices, as the API has it; without it the usage rides on the last chunk, as llama-server's."""
     pieces = run.pieces()
     first = await while_connected(_first_pieces(pieces), [run], http)
     if first is None:
         return error("the client closed the connection", GONE, "client_closed")
     return StreamingResponse(
-        _chat_stream(run, first, pieces, reply_id, name, logprobs),
+        _chat_stream(run, first, pieces, reply_id, name, logprobs, usage_apart),
         media_type="text/event-stream",
         headers={"x-superfluid-warm": str(run.warm)},
     )
 
 
 async def _chat_stream(
-    run: ChatRun, first: list[Piece], rest: AsyncIterator[Piece], reply_id: str, name: str, logprobs: bool
+    run: ChatRun,
+    first: list[Piece],
+    rest: AsyncIterator[Piece],
+    reply_id: str,
+    name: str,
+    logprobs: bool,
+    usage_apart: bool,
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    base = {"id": reply_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, piece: Piece | None = None, **extra: Any) -> str:
         shown = logprobs_json(piece.logprobs) if logprobs and piece is not None else None
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
-        return _sse(
-            {
-                "id": reply_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": name,
-                "choices": [choice],
-                **extra,
-            }
-        )
+        return _sse({**base, "choices": [choice], **extra})
 
     async def pieces() -> AsyncIterator[Piece]:
         for piece in first:
@@ -421,7 +423,12 @@ async def _chat_stream(
     if isinstance(outcome, str):
         yield _sse(envelope(outcome, "server_error"))
     else:
-        yield chunk({}, outcome.finish, usage=usage(outcome), superfluid=superfluid_extras([outcome]))
+        extras = superfluid_extras([outcome])
+        if usage_apart:
+            yield chunk({}, outcome.finish, superfluid=extras)
+            yield _sse({**base, "choices": [], "usage": usage(outcome)})
+        else:
+            yield chunk({}, outcome.finish, usage=usage(outcome), superfluid=extras)
     yield "data: [DONE]\n\n"
 
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from ..config import DEFAULT_HTTP, ServeConfig, default_socket
 from .serve_flags import (
+    _positive,
     add_serve_arguments,
     apply_environment,
     context_window,
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="sent as a Bearer token, for keyed daemons (default: $SUPERFLUID_API_KEY, which keeps it out of ps)",
     )
     _agent_commands(commands)
+    _run_command(commands)
+    _catalog_commands(commands)
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -150,6 +153,68 @@ def _agent_commands(commands: Any) -> None:
         description="Stop the daemon that `superfluid launch` started in the background (SIGTERM, as Ctrl-C would); "
         "a daemon started any other way is left alone.",
     )
+
+
+def _run_command(commands: Any) -> None:
+    """`run`: one answer from a model, for scripts."""
+    run = commands.add_parser(
+        "run",
+        usage="superfluid run MODEL [PROMPT ...] [options]",
+        help="answer one prompt and exit (reads standard input too)",
+        description="Answer PROMPT with MODEL and exit: the reply streams to stdout, reasoning to stderr. Piped "
+        "standard input comes before PROMPT in the message. It uses the daemon at --http, starting one in the "
+        "background when none answers (superfluid stop stops it), and loads MODEL there when it is not loaded.",
+        epilog="examples:\n"
+        "  superfluid run smollm2 'Name three rivers.'\n"
+        "  git diff | superfluid run smollm2 'Review this change.' --max-tokens 300\n"
+        "  superfluid run ~/models/qwen3-8b-q4_k_m.gguf --system 'Answer in French.' 'Hello'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("model", metavar="MODEL", help="a served model's name, a GGUF path or a Hugging Face id")
+    run.add_argument("prompt", nargs="*", metavar="PROMPT", help="the message (words are joined by spaces)")
+    run.add_argument("--system", default=None, metavar="TEXT", help="a system message before it")
+    run.add_argument("--max-tokens", type=_positive, default=None, metavar="N", help="the longest reply")
+    run.add_argument(
+        "--temperature", type=float, default=None, metavar="T", help="0 for greedy (default: the daemon's)"
+    )
+    run.add_argument("--seed", type=int, default=None, metavar="N", help="the sampling seed")
+    _daemon_address(run)
+
+
+def _daemon_address(parser: argparse.ArgumentParser) -> None:
+    """--http and --api-key: the daemon a client command talks to."""
+    parser.add_argument(
+        "--http",
+        default=os.environ.get("SUPERFLUID_HTTP", DEFAULT_HTTP),
+        metavar="ADDR",
+        help=f"the daemon's HTTP address (default: $SUPERFLUID_HTTP, else {DEFAULT_HTTP})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SUPERFLUID_API_KEY"),
+        metavar="KEY",
+        help="the daemon's key (default: $SUPERFLUID_API_KEY)",
+    )
+
+
+def _catalog_commands(commands: Any) -> None:
+    """`models` and `ps`: the models on this machine, and what a daemon has loaded."""
+    models = commands.add_parser(
+        "models",
+        help="list the GGUF models on this machine",
+        description="List the embedded model, the GGUF files in the Hugging Face cache and in each --dir: the name "
+        "serve takes, size, quantisation, trained context, chat template family, and whether the daemon at "
+        "--http has it loaded.",
+    )
+    models.add_argument("--dir", action="append", metavar="DIR", help="also look for .gguf files here; repeatable")
+    _daemon_address(models)
+    ps = commands.add_parser(
+        "ps",
+        help="what a running daemon has loaded",
+        description="The models the daemon at --http has loaded: context window, kernels, worker process and its "
+        "resident memory (for a daemon on this machine), and which is the default.",
+    )
+    _daemon_address(ps)
 
 
 def _client_commands(commands: Any) -> None:
@@ -230,6 +295,11 @@ def serve_settings(serve: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 f"--lease-renew {args.lease_renew:g} must be below --lease-expiry {args.lease_expiry:g}: "
                 "a lease is renewed before it can expire"
             )
+        if "*" in args.cors_origins and (args.api_key or args.key_policy):
+            raise ValueError(
+                "--cors-origin * would let any web page send a key to this daemon; with --api-key or "
+                "--key-policy, list the pages' origins instead"
+            )
         # read once, and refused now, before any model loads
         keys = load_policy(args.key_policy, args.api_key) if args.key_policy is not None else []
     except ValueError as e:
@@ -282,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("launch", "stop"):
         return _run_agent_command(args)
+    if args.command == "run":
+        from .prompt import main_run
+
+        return main_run(args)
+    if args.command in ("models", "ps"):
+        from .catalog import main_catalog
+
+        return main_catalog(args)
     if args.command == "version":
         print(f"superfluid {__version__}")
         return 0

@@ -103,13 +103,12 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     default = daemon.runtime
     known = daemon.start()
     web_server = None
+    token_path = config.sessions / "web-token"
+    # daemons sharing a store share one token, so that a client sent to another one is let in
+    shared_token = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
+    web_token = mint_token(token_path, shared_token)  # for --web, and the UI on a loopback --http
     if config.web:  # before the socket: a session leased from here on names this daemon's address
-        token_path = config.sessions / "web-token"
-        # daemons sharing a store share one token, so that a client sent to another one is let in
-        shared_token = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
-        web_server = WebServer(
-            daemon, config.web, mint_token(token_path, shared_token), config.web_origins, shared_token is not None
-        )
+        web_server = WebServer(daemon, config.web, web_token, config.web_origins, shared_token is not None)
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
             store.leases.address = reachable(url)
@@ -123,7 +122,16 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
             config.http_allow_batch_invariant,
             config.nonstream_keepalive,
         )
-        api_server = ApiServer(daemon, config.http, policy, config.api_key, config.keys, config.rate_limit)
+        api_server = ApiServer(
+            daemon,
+            config.http,
+            policy,
+            config.api_key,
+            config.keys,
+            config.rate_limit,
+            config.cors_origins,
+            web_token,
+        )
         api_url = await api_server.start()
     # every listener is up before the first line: whoever waits for it can connect at once
     heading = (
@@ -145,6 +153,9 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         )
     if api_server is not None:
         lines.append(f"http: {api_url} (OpenAI /v1, Anthropic /v1/messages, Ollama /api)")
+        page = api_server.page_url(api_url)
+        if page is not None:
+            lines.append(f"browser UI: {page}")
     print("\n".join(lines), flush=True)
     notify(supervisor, "READY=1")
     if api_server is not None and not api_server.gate.keyed:

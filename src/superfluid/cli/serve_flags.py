@@ -32,6 +32,7 @@ from ..logsetup import parse_directive
 from ..model.dialects import DIALECTS, NAMES
 from ..protocol.schema import QOS_ALIASES, qos_class
 from ..transports.addresses import split_address
+from ..transports.cors import check_origin
 
 SPECULATE = ("off", "auto", "prompt-lookup")
 DEFAULT_PORT = 8453
@@ -143,6 +144,13 @@ def _web_address(text: str) -> str:
             f"expected HOST:PORT with a port from 0 to 65535, such as 127.0.0.1:8460, not {text!r}"
         )
     return text
+
+
+def _cors_origin(text: str) -> str:
+    try:
+        return check_origin(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _api_key(text: str) -> str:
@@ -360,6 +368,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="a browser page origin allowed to open /web/ws, such as http://localhost:5173; repeatable",
     )
     server.add_argument(
+        "--cors-origin",
+        dest="cors_origins",
+        action=Repeatable,
+        type=_cors_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="a web page origin allowed to call the HTTP API from a browser, such as https://chat.example.com, "
+        "answered with CORS headers; * allows any (refused with --api-key or --key-policy); repeatable "
+        "(default: none; pages on this machine are served without CORS headers)",
+    )
+    server.add_argument(
         "--nonstream-keepalive",
         type=_number(0, zero="0: off"),
         default=0.0,
@@ -381,7 +400,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         type=_api_key,
         default=None,
         metavar="KEY",
-        help="require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every HTTP route but /health",
+        help="require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every HTTP route but /health "
+        "and the browser UI's /web/* (which take the web token)",
     )
     security.add_argument(
         "--key-policy",
@@ -688,6 +708,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         no_http=args.no_http,
         web=args.web,
         web_origins=args.web_origins,
+        cors_origins=args.cors_origins,
         offline=args.offline,
         fim_tokens=args.fim_tokens,
         fim_model=args.fim_model,

@@ -314,15 +314,16 @@ class Models:
         log.info("loaded %s in %.1f s", model_id, time.monotonic() - started)
 
     def unload(self, model_id: str) -> None:
-        """Stop a model's worker and free its memory; the last loaded model stays."""
+        """Stop a model's worker and free its memory (it loads again on demand); a daemon that knows
+        only this model keeps it, since it would be left serving nothing."""
         with self._lock:
             known = self._known(model_id)
         with known.loading:
             with self._lock:
                 if known.runtime is None:
                     return
-                if len(self.loaded()) == 1:
-                    raise ModelError(f"{model_id} is the last loaded model; load another before unloading it")
+                if len(self.known) == 1:
+                    raise ModelError(f"{model_id} is the only model served here; add another before unloading it")
                 runtime, known.runtime = known.runtime, None
             runtime.close()
         log.info("unloaded %s", model_id)

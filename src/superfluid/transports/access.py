@@ -1,6 +1,7 @@
 """Who may use the HTTP listener, how much, and in which scheduling class.
 
-`--api-key` sets one key for every route but `/health`; `--key-policy FILE.json` names
+`--api-key` sets one key for every route but `/health` (and the browser UI's `/web/*`, which
+take the web token instead); `--key-policy FILE.json` names
 keys with their own scheduling class, ceiling, rate, concurrency and admin right;
 `--rate-limit RPM` meters each client IP. `AccessGate` is the ASGI middleware that
 applies all of it, and refuses new requests while the daemon drains (SIGUSR1).
@@ -53,6 +54,7 @@ POLICY_FIELDS = {
 }
 NAME = re.compile(r"[A-Za-z0-9._-]+")
 OPEN_PATHS = {"/health"}  # never keyed, metered or drained
+WEB_PREFIX = "/web"  # the browser UI's routes on a loopback listener: the web token guards them
 UNMETERED_PATHS = {"/health", "/metrics", "/v1/metrics"}  # keyed, but outside rate limits and slots
 STATE_KEY = "superfluid_key"  # where the gate leaves a request's key, in the ASGI scope's state
 GLOBAL_KEY = "api-key"  # the name `--api-key` has in metrics
@@ -219,7 +221,8 @@ class AccessGate:
         self.counts: dict[tuple[str, str], int] = {}  # (key name, outcome) -> requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if scope["type"] != "http" or path in OPEN_PATHS or path == WEB_PREFIX or path.startswith(WEB_PREFIX + "/"):
             await self.app(scope, receive, send)
             return
         refusal, key = self._admit(scope)

@@ -1,10 +1,17 @@
 """The main HTTP listener (`--http`): OpenAI, Anthropic and Ollama routes on one port.
 
+On a loopback listener it also serves the browser UI and its session API (`web.py`'s /web/*
+routes, behind the web token rather than the API keys), so `http://127.0.0.1:8453/` opens
+the UI in a browser: a page asking for `/` is sent to `/web/`, signed in at once when the API
+takes no key (whoever can reach the API may use the sessions anyway), and to sign in with the
+token printed at start otherwise.
+
 Also `GET /health`, `GET /metrics`, embeddings (`embeddings.py`) and the status and
 tokenizer routes (`status.py`). Keys, rate limits and draining are `access.py`'s.
 Requests from a web page of another site are
-refused (an `Origin` that is not this machine gets 403), and a loopback listener answers
-only loopback `Host` names, so a page cannot reach it through DNS rebinding.
+refused (an `Origin` that is not this machine gets 403) unless `--cors-origin` lists it
+(`cors.py`), and a loopback listener answers only loopback `Host` names, so a page cannot
+reach it through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -15,14 +22,17 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from ..api import anthropic, anthropic_errors, embeddings, infill, models, ollama, openai, responses, status
 from ..api.chat_http import HttpPolicy
 from ..core.daemon import Daemon
 from .access import AccessGate, Key
 from .addresses import split_address
+from .cors import Cors, CorsOrigins
 from .listener import HttpListener
+from .web import create_app as create_web_app
+from .web import own_origins
 
 BODY_LIMIT = 100 << 20
 
@@ -45,7 +55,16 @@ def _host_of(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
+def create_app(
+    daemon: Daemon,
+    loopback: bool,
+    policy: HttpPolicy,
+    cors: CorsOrigins | None = None,
+    web: FastAPI | None = None,
+    page: str = "/web/",
+) -> FastAPI:
+    """The routes of the main port; with `web`, the browser UI's too, and a browser asking for `/`
+    sent to `page`."""
     app = FastAPI(title="superfluid", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -57,7 +76,7 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
                 return anthropic.error(message, status)
             return openai.error(message, status, code)
 
-        if origin and not _loopback_name(_host_of(origin)):
+        if origin and not _loopback_name(_host_of(origin)) and not (cors and cors.allows(origin)):
             return refuse(f"origin {origin} is not this machine", 403, "origin_refused")
         host = request.headers.get("host", "")
         if loopback and host and not _loopback_name(_host_of(host)):
@@ -86,6 +105,15 @@ def create_app(daemon: Daemon, loopback: bool, policy: HttpPolicy) -> FastAPI:
     async def metrics() -> Response:
         return PlainTextResponse(daemon.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    if web is not None:
+        app.include_router(web.router)
+
+        @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+        async def index(request: Request) -> Response:
+            if "text/html" in request.headers.get("accept", ""):
+                return RedirectResponse(page, status_code=302)
+            return PlainTextResponse("superfluid is running")  # what clients probing the root expect
+
     app.include_router(models.router(daemon))
     app.include_router(openai.router(daemon, policy))
     app.include_router(infill.router(daemon, policy))
@@ -108,10 +136,29 @@ class ApiServer(HttpListener):
         api_key: str | None = None,
         keys: list[Key] | None = None,
         rate_limit_rpm: int = 0,
+        cors_origins: list[str] | None = None,
+        web_token: str | None = None,
     ) -> None:
         host, port = split_address(address)
         loopback = _loopback_name(host)
-        self.gate = AccessGate(create_app(daemon, loopback, policy), api_key, keys or [], rate_limit_rpm)
+        cors = CorsOrigins(cors_origins or [])
+        keyed = bool(api_key or keys)
+        # the UI on this port: loopback only, as `--web`; signed in at once where the API takes no key
+        self.web = create_web_app(daemon, web_token, []) if web_token and loopback else None
+        self.page = f"/web/#token={web_token}" if web_token else "/web/"
+        app = create_app(daemon, loopback, policy, cors, self.web, "/web/" if keyed else self.page)
+        self.gate = AccessGate(app, api_key, keys or [], rate_limit_rpm)
         daemon.metrics.watch_gate(self.gate)
-        super().__init__(self.gate, host, port, "the HTTP API")
+        # outside the keys: a preflight carries none, and a page must be able to read a 401
+        super().__init__(Cors(self.gate, cors) if cors else self.gate, host, port, "the HTTP API")
         self.loopback = loopback
+
+    async def start(self) -> str:
+        url = await super().start()
+        if self.web is not None:
+            self.web.state.auth.origins.update(own_origins(int(url.rsplit(":", 1)[1])))
+        return url
+
+    def page_url(self, url: str) -> str | None:
+        """The address that opens the browser UI signed in, when this port serves it."""
+        return f"{url}{self.page}" if self.web is not None else None

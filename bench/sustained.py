@@ -1,0 +1,231 @@
+"""Sustained load: nothing degrades over minutes, and more requests than the KV holds all finish.
+
+- soak: eight clients send short requests back to back for ten minutes (three with --quick);
+  the tokens per second of the last minute against the first, the memory of the daemon and its
+  workers at the end against after the first minute, and against llama-server's after the same
+  load (for two minutes, one with --quick: its memory is steady by then). Superfluid's host KV
+  tier fills with the evicted prefixes of finished requests up to `--host-cache-mb` (a quarter
+  of RAM, at most 2 GiB): that is a cache the flag bounds, not growth, so the memory figures
+  leave it out and say how large it was.
+- oversubscribed: 32 requests of about 900 prompt tokens and 900 forced output tokens on 8 lanes
+  of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
+  one completes, and the wall against llama-server's at the same lanes and context.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import load
+from peer import LlamaServer, Server, Superfluid
+from record import Result
+
+from superfluid.metrics import read_metric
+
+MINUTE = 60.0
+SOAK_TOKENS = 64  # a short reply: the soak is many requests, not long ones
+
+
+def resident_bytes(pid: int) -> int:
+    """The memory a process and every process below it (a daemon and its workers) hold, as their
+    proportional set sizes: a page two of them share (the model's mapped file, the host KV tier)
+    counts once, split between them, as it takes memory once."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone since the listing
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        pss = next((line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:")), "0")
+        total += int(pss) * 1024
+    return total
+
+
+def host_tier_bytes(server: Server) -> int:
+    """The bytes superfluid's host KV tier holds (llama-server has none: 0)."""
+    if not isinstance(server, Superfluid):
+        return 0
+    return int(read_metric(httpx.get(f"{server.url}/metrics").text, "superfluid_host_cache_bytes"))
+
+
+def soak(server: Server, seconds: float, clients: int = 8) -> dict[str, float]:
+    """`clients` threads sending short chats back to back for `seconds`: tokens per second in the
+    first and the last minute, and the server's memory (and its host tier's) after the first minute
+    and at the end."""
+    assert server.proc is not None
+    started = time.monotonic()
+    done: list[tuple[float, int]] = []  # when each reply ended, and its tokens
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        count = 0
+        while time.monotonic() - started < seconds:
+            note = f"Client {index}, note {count}: say something."
+            chat = load.Chat([{"role": "user", "content": note}], SOAK_TOKENS)
+            reply = load.send(server.url, chat)
+            count += 1
+            with lock:
+                if reply.error:
+                    failures.append(reply.error)
+                else:
+                    done.append((reply.done, reply.completion_tokens))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(MINUTE)
+    after_first_minute = resident_bytes(server.proc.pid), host_tier_bytes(server)
+    for thread in threads:
+        thread.join()
+    ended = time.monotonic()
+    if failures:
+        print(f"  {len(failures)} requests failed, the first: {failures[0]}", flush=True)
+
+    def rate(since: float, until: float) -> float:
+        return sum(tokens for at, tokens in done if since <= at < until) / (until - since)
+
+    return {
+        "first": rate(started, started + MINUTE),
+        "last": rate(ended - MINUTE, ended),
+        "resident_first": after_first_minute[0],
+        "tier_first": after_first_minute[1],
+        "resident_end": resident_bytes(server.proc.pid),
+        "tier_end": host_tier_bytes(server),
+        "requests": len(done),
+        "failed": len(failures),
+    }
+
+
+def oversubscribed(url: str, requests: int, prompt: int, output: int) -> tuple[float, int]:
+    """`requests` distinct chats of about `prompt` tokens, each forced to `output` tokens, sent at once:
+    the wall until the last finished, and how many completed with every token."""
+    chats = [load.Chat([{"role": "user", "content": load.document(7000 + i, prompt)}], output) for i in range(requests)]
+    replies, wall = load.timed(lambda: load.together(url, chats))
+    return wall, sum(1 for r in replies if r.completion_tokens == output)
+
+
+def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path, model: Path) -> list[Result]:
+    """The soak and the oversubscribed burst, on superfluid and llama-server alike."""
+    server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
+    peer = server_binary if server_binary is not None and server_binary.exists() else None
+    if peer is None:
+        print("sustained: llama-server not built (make bench builds it); its figures are left out", flush=True)
+    lanes, window = 8, 4096
+    served = (str(model), "--threads", str(threads))
+    minutes = 3 if quick else 10
+    print(f"sustained: superfluid, {minutes} minutes of eight clients", flush=True)
+    with Superfluid(root / "soak", window, lanes, *served) as ours:
+        mine = soak(ours, minutes * MINUTE)
+    print(f"  {mine}", flush=True)
+    theirs = None
+    if peer is not None:
+        print("sustained: llama-server, the same load for its memory", flush=True)
+        with LlamaServer(peer, model, root / "soak-llama-server", lanes, window, threads) as server:
+            theirs = soak(server, (1 if quick else 2) * MINUTE)
+        print(f"  {theirs}", flush=True)
+    mib = 2**20
+    growth = (mine["resident_end"] - mine["tier_end"]) / (mine["resident_first"] - mine["tier_first"])
+    results = [
+        Result(
+            "soak, eight clients: tok/s in the last minute / the first",
+            mine["last"] / mine["first"],
+            ">= 0.95, none failed",
+            mine["last"] / mine["first"] >= 0.95 and not mine["failed"],
+            f"{mine['last']:.1f} tok/s vs {mine['first']:.1f} tok/s over {minutes} minutes, "
+            f"{mine['requests']:.0f} requests, {mine['failed']:.0f} failed",
+            "x",
+            "the first minute",
+            "higher",
+            rounds={"first minute tok/s": [mine["first"]], "last minute tok/s": [mine["last"]]},
+        ),
+        Result(
+            "soak: daemon and workers' memory but the host KV tier, at the end / after the first minute",
+            growth,
+            "<= 1.05",
+            growth <= 1.05,
+            f"{(mine['resident_end'] - mine['tier_end']) / mib:.0f} MiB vs "
+            f"{(mine['resident_first'] - mine['tier_first']) / mib:.0f} MiB; with the tier "
+            f"{mine['resident_end'] / mib:.0f} MiB vs {mine['resident_first'] / mib:.0f} MiB",
+            "x",
+            "after the first minute",
+            "lower",
+            rounds={
+                "MiB": [mine["resident_first"] / mib, mine["resident_end"] / mib],
+                "host tier MiB": [mine["tier_first"] / mib, mine["tier_end"] / mib],
+            },
+        ),
+    ]
+    if theirs is not None:
+        over = (mine["resident_end"] - mine["tier_end"] - theirs["resident_end"]) / mib
+        results.append(
+            Result(
+                "soak: memory but the host KV tier, over llama-server's at the same lanes and context (MiB)",
+                over,
+                "<= 200",
+                over <= 200,
+                f"{(mine['resident_end'] - mine['tier_end']) / mib:.0f} MiB (and {mine['tier_end'] / mib:.0f} MiB "
+                f"of host tier) vs {theirs['resident_end'] / mib:.0f} MiB",
+                "MiB",
+                rounds={
+                    "superfluid MiB": [mine["resident_end"] / mib],
+                    "superfluid host tier MiB": [mine["tier_end"] / mib],
+                    "llama-server MiB": [theirs["resident_end"] / mib],
+                },
+            )
+        )
+    count, prompt, lane = (16, 450, 1024) if quick else (32, 900, 2048)
+    name = f"{count} requests of {prompt}+{prompt} tokens on {lanes} lanes of {lane}"
+    systems: dict[str, Callable[[], Server]] = {
+        "superfluid": lambda: Superfluid(root / "oversubscribed", lane, lanes, *served),
+    }
+    if peer is not None:
+        systems["llama-server"] = lambda: LlamaServer(peer, model, root / "oversubscribed-peer", lanes, lane, threads)
+    walls: dict[str, tuple[float, int]] = {}
+    for system, make in systems.items():
+        print(f"sustained: {name}, {system}", flush=True)
+        with make() as server:
+            walls[system] = oversubscribed(server.url, count, prompt, prompt)
+        print(f"  wall {walls[system][0]:.1f} s, {walls[system][1]} of {count} complete", flush=True)
+    wall, complete = walls["superfluid"]
+    results.append(
+        Result(
+            f"{name}: requests complete",
+            complete / count,
+            ">= 1.0",
+            complete == count,
+            f"{complete} of {count}",
+            "share",
+        )
+    )
+    if "llama-server" in walls:
+        peer_wall, peer_complete = walls["llama-server"]
+        results.append(
+            Result(
+                f"{name}: wall / llama-server",
+                wall / peer_wall,
+                "<= 0.6",
+                wall / peer_wall <= 0.6,
+                f"{wall:.1f} s vs {peer_wall:.1f} s (llama-server completed {peer_complete} of {count})",
+                "x",
+                "llama-server",
+                "lower",
+                rounds={"superfluid s": [wall], "llama-server s": [peer_wall]},
+            )
+        )
+    return results
