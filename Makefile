@@ -124,12 +124,12 @@ $(AGENT_STAMP): | $(STAMP) system-packages
 # smoke test runs `superfluid serve` on tmux's pseudo-terminal;
 # the PostgreSQL store's tests start a cluster of their own: Debian's postgresql (initdb off PATH);
 # npm installs the coding agents
-SYSTEM_PACKAGES := chromium tmux postgresql npm
+SYSTEM_PACKAGES := chromium tmux postgresql npm systemd
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || \
 		ls /usr/lib/$$p/*/bin/initdb >/dev/null 2>&1 || echo $$p; done); \
 	[ -z "$$missing" ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
-		{ echo "make test needs Debian's $$missing for the browser, terminal and PostgreSQL tests: apt-get install $$missing"; exit 1; }
+		{ echo "make test needs Debian's $$missing for the browser, terminal, PostgreSQL and service-unit tests: apt-get install $$missing"; exit 1; }
 
 clean:
 	rm -rf $(VENV)

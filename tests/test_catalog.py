@@ -31,5 +31,5 @@ def test_models_lists_the_embedded_the_hub_cache_and_a_folder(
     metadata = LlamaModel(embedded_model().path, vocab_only=True).metadata
     context = metadata[f"{metadata['general.architecture']}.context_length"]
     for row in rows.values():
-        assert row[3] == "Q4_1" and row[4] == context, row  # size is two words: "103 MiB"
+        assert row[3:6] == ["Q4_1", context, "chatml"], row  # size is two words: "94 MiB"
     assert lines[4] == "(no daemon answers at 127.0.0.1:9: LOADED is left empty)"

@@ -40,6 +40,15 @@ FILE_TYPES = {
     18: "Q6_K",
     32: "BF16",
 }
+# a chat template's family by the turn markers it writes, for templates that declare no tool-call dialect
+TURN_MARKERS = (
+    ("<|im_start|>", "chatml"),
+    ("<|start_header_id|>", "llama3"),
+    ("<start_of_turn>", "gemma"),
+    ("<|channel|>", "harmony"),
+    ("[INST]", "mistral"),
+    ("<|user|>", "zephyr"),
+)
 QUANT_IN_NAME = re.compile(r"(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-_.]|$)", re.IGNORECASE)
 _SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)
 
@@ -95,7 +104,8 @@ def describe(name: str, path: Path) -> LocalModel:
     quant = _quant_in_name(path.name) or FILE_TYPES.get(int(file_type) if file_type.isdigit() else -1, "?")
     template = model.chat_template
     dialect = recognise(template) if template else None
-    family = dialect.name if dialect is not None else ("template" if template else "none")
+    marked = next((name for marker, name in TURN_MARKERS if template and marker in template), "other")
+    family = dialect.name if dialect is not None else (marked if template else "none")
     context = int(model.metadata.get(f"{arch}.context_length", 0) or 0)
     return LocalModel(name, path, path.stat().st_size, quant, context, family)
 

@@ -100,6 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
     _agent_commands(commands)
     _run_command(commands)
     _catalog_commands(commands)
+    service = commands.add_parser(
+        "service",
+        usage="superfluid service unit|install [-- SERVE FLAGS]",
+        help="run the daemon as a systemd user service",
+        description="unit prints a systemd user unit that runs superfluid serve with the flags after --; install "
+        "writes it to ~/.config/systemd/user/superfluid.service and says how to start it. The daemon tells systemd "
+        "when it serves (Type=notify), stops cleanly on SIGTERM and is restarted after a crash.",
+        epilog="examples:\n"
+        "  superfluid service install -- ~/models/qwen3-8b-q4_k_m.gguf --max-context 16384\n"
+        "  superfluid service unit -- --http 0.0.0.0:8453 --key-policy keys.json > superfluid.service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    service.add_argument("action", choices=("unit", "install"), metavar="ACTION", help="unit or install")
+    service.set_defaults(serve_args=[])  # what follows --, split off before parsing (see `main`)
+    completion = commands.add_parser(
+        "completion",
+        help="print shell completion for bash, zsh or fish",
+        description="Print a completion script for the commands and flags of superfluid.",
+        epilog="install it once:\n"
+        "  superfluid completion bash > ~/.local/share/bash-completion/completions/superfluid\n"
+        '  superfluid completion zsh > "${fpath[1]}/_superfluid"\n'
+        "  superfluid completion fish > ~/.config/fish/completions/superfluid.fish",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"), metavar="SHELL", help="bash, zsh or fish")
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -326,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # `launch AGENT ... -- ARGS`: what follows -- is the agent's, whatever it looks like
     passed: list[str] = []
-    if argv[:1] == ["launch"] and "--" in argv:
+    if argv[:1] in (["launch"], ["service"]) and "--" in argv:
         argv, passed = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = parser.parse_args(argv)
-    if passed:
+    if passed and args.command == "launch":
         args.agent_args = passed
+    if passed and args.command == "service":
+        args.serve_args = passed
     if args.command == "serve":
         from ..logsetup import LogPane, setup_logging
         from .serve import run
@@ -356,6 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         from .prompt import main_run
 
         return main_run(args)
+    if args.command == "service":
+        from .service import main_service
+
+        return main_service(args.action, args.serve_args)
+    if args.command == "completion":
+        from .completion import script
+
+        print(script(args.shell, parser), end="")
+        return 0
     if args.command in ("models", "ps"):
         from .catalog import main_catalog
 
