@@ -53,7 +53,7 @@ class Result:
 
     `value` is the median of its rounds (for a paired ratio, the median round's ratio); `unit` is
     "x" for a ratio to `baseline` (what it is compared with: llama-server, the raw llama.cpp
-    loop, a cold prefill, ...), else "s", "ms", "tok/s" or "share". `better` says which side of
+    loop, a cold prefill, ...), else "s", "ms", "tok/s", "MiB" or "share". `better` says which side of
     1.0 beats the baseline ("higher" or "lower"), where beating it means something; `target` is
     what the figure is held to, in parentheses when it is only reported. `headline` is the short
     label of a figure the README's summary shows. `rounds` holds each round's raw values, by what

@@ -48,6 +48,8 @@ def shown(row: dict) -> str:
         return f"{value:.1%}"
     if unit == "tok/s":
         return f"{value:.1f} tok/s"
+    if unit == "MiB":
+        return f"{value:.0f} MiB"
     return f"{value:.3f}"
 
 
