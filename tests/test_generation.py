@@ -1,8 +1,14 @@
-"""A generation's text ahead of its commit: handed to its listener in order, once per tick with
-what the tick drew, so a stream does not wake its event loop per token."""
+"""A generation's text ahead of its commit: handed to its listener in order, the first piece at
+once and the rest gathered between hand-overs, so a stream does not wake its event loop per
+token."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
+from superfluid.core import generation
 from superfluid.core.bus import Provisional
 from superfluid.core.generation import GenerationRun
 from superfluid.model.channels import ChannelSplitter
@@ -28,7 +34,11 @@ class NoSubscribers:
     def provisional(self, session: int, channel: int, text: str) -> None: ...
 
 
-def test_text_ahead_of_its_commit_goes_out_once_a_tick() -> None:
+INTERVAL = 0.2  # the hand-over interval for the test, long enough that no pause on a busy machine ends it
+
+
+def test_text_ahead_of_its_commit_goes_out_at_once_then_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation, "HAND_OVER_S", INTERVAL)
     listener = Recorder()
     run = GenerationRun(
         1,
@@ -43,14 +53,15 @@ def test_text_ahead_of_its_commit_goes_out_once_a_tick() -> None:
         publisher=NoSubscribers(),
     )
     run.tokens(run.job, [0])
-    assert listener.texts() == [] and run.has_output, "a tick's text waits for its end"
-    first = run.drain()
-    assert listener.texts() == ["w0 "], "the tick's end hands it over"
+    assert listener.texts() == ["w0 "], "the first piece is not held"
     for token in range(1, 6):
         run.tokens(run.job, [token])
-    assert listener.texts() == ["w0 "], "pieces within a tick are gathered"
-    bodies = first + run.drain()
-    assert listener.texts() == ["w0 ", "w1 w2 w3 w4 w5 "], "one hand-over carries the tick's pieces"
-    assert not run.has_output
+    assert listener.texts() == ["w0 "] and run.has_output, "pieces within the interval wait"
+    time.sleep(INTERVAL)
+    run.tokens(run.job, [6])
+    assert listener.texts() == ["w0 ", "w1 w2 w3 w4 w5 w6 "], "one hand-over carries what was gathered"
+    run.tokens(run.job, [7])
+    bodies = run.drain()
+    assert listener.texts() == ["w0 ", "w1 w2 w3 w4 w5 w6 ", "w7 "], "a tick's end hands over the rest"
     assert all(item.channel == CHANNEL_TEXT for item in listener.items if isinstance(item, Provisional))
-    assert [t for body in bodies for t in body.span] == list(range(6))
+    assert [t for body in bodies for t in body.span] == list(range(8))

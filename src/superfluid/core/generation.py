@@ -2,8 +2,8 @@
 
 A `GenerationRun` is one Generate on one session. The scheduler thread feeds it tokens
 (classified into channels as they come, and offered as provisional text, with the log
-probabilities of the text's tokens when the job asked for them: what a tick drew goes out in
-one piece when the tick ends, just before its commit); at
+probabilities of the text's tokens when the job asked for them: the first piece at once,
+then gathered for up to `HAND_OVER_S`); at
 the end of each scheduler tick `Generations.on_tick` gathers every run's new tokens
 into `Generated` records (one per channel run) and hands them to the committer thread,
 which writes the whole tick in one transaction and only then delivers the events.
@@ -43,6 +43,11 @@ from ..store.sessions import SessionStore
 from .bus import Committed, Provisional
 
 log = logging.getLogger("superfluid.core.generation")
+# text ahead of its commit reaches a listener at most this often, in one piece (the first at once):
+# the tokens of one step (a run, or drafts that stood) come microseconds apart and go out together,
+# while steps (5 ms and more apart) each go out as they end. At 40 ms a lone stream's chunks came
+# 70-80 ms apart at p99 against llama-server's 20 ms, for no throughput measured
+HAND_OVER_S = 0.005
 B = EventBody
 
 
@@ -116,7 +121,8 @@ class GenerationRun:
         self.error: str | None = None
         self.failure: str | None = None  # why a commit of its records was refused: it ends with finish 5
         self._pending: list[Piece] = []
-        self._held: Provisional | None = None  # text for the listener, gathered over one tick
+        self._held: Provisional | None = None  # text for the listener, gathered between two hand-overs
+        self._handed_at = 0.0
         self._rows: deque[LogprobRow] = deque()  # of tokens the splitter holds back, in order
         self.submitted = time.monotonic()
         self.first_commit: float | None = None
@@ -153,12 +159,11 @@ class GenerationRun:
                 self.publisher.provisional(self.session, piece.channel, piece.text)
 
     def _hold(self, item: Provisional) -> None:
-        """Gather a tick's text for one hand-over at its end (a new channel hands over what came before).
+        """Hand text to the listener at most every `HAND_OVER_S` (the first piece at once).
 
         Each hand-over wakes the listener's event loop, and on a machine whose cores all run
-        llama.cpp that wake-up is taken from the decode: a step that drew several tokens (a run, or
-        drafts that stood) wakes it once. Holding text across ticks instead kept a lone stream's
-        chunks 40-90 ms apart, against llama-server's 13 ms, for no measurable throughput.
+        llama.cpp that wake-up is taken from the decode: one per token slowed a lone stream by a
+        few percent against the same request unstreamed.
         """
         held = self._held
         if held is not None and held.channel == item.channel:
@@ -166,11 +171,14 @@ class GenerationRun:
         else:
             self._hand_over()
         self._held = item
+        if time.monotonic() - self._handed_at >= HAND_OVER_S:
+            self._hand_over()
 
     def _hand_over(self) -> None:
         if self._held is not None:
             self.listener.put(self._held)
             self._held = None
+            self._handed_at = time.monotonic()
 
     def finished(self, job: Job, finish: int, error: str | None) -> None:
         self.finish, self.error = (FINISH_ERROR, self.failure) if self.failure is not None else (finish, error)
