@@ -225,6 +225,7 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
             complete == count,
             f"{complete} of {count}",
             "share",
+            rounds={"complete": [complete]},
         )
     )
     if "llama-server" in walls:
@@ -239,6 +240,7 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
                 "x",
                 "llama-server",
                 "lower",
+                f"{count} requests on {lanes} lanes, more than their KV holds: wall",
                 rounds={"superfluid s": [wall], "llama-server s": [peer_wall]},
             )
         )

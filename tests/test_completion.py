@@ -25,7 +25,7 @@ def completions(*words: str) -> list[str]:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_bash_completes_commands_verbs_flags_and_values() -> None:
-    assert completions("superfluid", "se") == ["serve", "session"]
+    assert completions("superfluid", "se") == ["serve", "service", "session"]
     assert completions("superfluid", "serve", "--cors") == ["--cors-origin"]
     assert completions("superfluid", "session", "ex") == ["export"]
     assert completions("superfluid", "session", "export", "--f") == ["--format"]

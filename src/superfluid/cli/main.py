@@ -149,18 +149,7 @@ def _agent_commands(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launch.add_argument("agent", metavar="AGENT", help=f"one of: {', '.join(AGENTS)}")
-    launch.add_argument(
-        "--http",
-        default=os.environ.get("SUPERFLUID_HTTP", DEFAULT_HTTP),
-        metavar="ADDR",
-        help=f"the daemon's HTTP address (default: $SUPERFLUID_HTTP, else {DEFAULT_HTTP})",
-    )
-    launch.add_argument(
-        "--api-key",
-        default=os.environ.get("SUPERFLUID_API_KEY"),
-        metavar="KEY",
-        help="the daemon's key, given to the agent (default: $SUPERFLUID_API_KEY)",
-    )
+    _daemon_address(launch, "the daemon's key, given to the agent")
     launch.add_argument(
         "--model", default=None, metavar="MODEL", help="the model to serve and use (default: the daemon's)"
     )
@@ -206,7 +195,7 @@ def _run_command(commands: Any) -> None:
     _daemon_address(run)
 
 
-def _daemon_address(parser: argparse.ArgumentParser) -> None:
+def _daemon_address(parser: argparse.ArgumentParser, key: str = "the daemon's key") -> None:
     """--http and --api-key: the daemon a client command talks to."""
     parser.add_argument(
         "--http",
@@ -218,7 +207,7 @@ def _daemon_address(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("SUPERFLUID_API_KEY"),
         metavar="KEY",
-        help="the daemon's key (default: $SUPERFLUID_API_KEY)",
+        help=f"{key} (default: $SUPERFLUID_API_KEY)",
     )
 
 
