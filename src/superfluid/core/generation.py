@@ -46,7 +46,7 @@ log = logging.getLogger("superfluid.core.generation")
 # text ahead of its commit reaches a listener at most this often, in one piece (the first at once):
 # the tokens of one step (a run, or drafts that stood) come microseconds apart and go out together,
 # while steps (5 ms and more apart) each go out as they end. At 40 ms a lone stream's chunks came
-# 70-80 ms apart at p99 against llama-server's 20 ms, for no throughput measured
+# 80-88 ms apart at p99 against llama-server's 13-20 ms (embedded model), for no throughput measured
 HAND_OVER_S = 0.005
 B = EventBody
 

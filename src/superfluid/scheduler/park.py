@@ -110,9 +110,10 @@ class ParkedEntry:
     used: float
 
 
-# states handed to the writer and not yet on disk: a host tier overflowing at every request (eight
-# clients of short chats on the embedded model) kept the daemon 156 MB larger after ten minutes,
-# the writer at the lowest priority on cores that llama.cpp fills
+# states handed to the writer and not yet on disk. Unbounded, the queue would grow whenever the
+# host tier overflows faster than the disk takes its states: eight clients of short chats on the
+# embedded model push a state of about 2 MB out at every request, and the writer runs at the
+# lowest priority on cores llama.cpp fills. 64 MiB is about thirty such states
 PENDING_LIMIT = 64 << 20
 
 
