@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from conftest import HttpDaemon
+from conftest import HttpDaemon, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -61,3 +63,16 @@ def test_ps_shows_what_the_daemon_has_loaded(api: HttpDaemon) -> None:
         [sys.executable, "-m", "superfluid", "ps", "--http", "127.0.0.1:9"], capture_output=True, text=True
     )
     assert gone.returncode == 1 and "no daemon answers at 127.0.0.1:9" in gone.stderr
+
+
+def test_run_starts_a_daemon_when_none_answers(tmp_path: Path) -> None:
+    environment = {**os.environ, "SUPERFLUID_HOME": str(tmp_path)}
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "superfluid", "run", "smollm2", "Hi", "--max-tokens", "4", "--http", address]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment)
+        assert done.returncode == 0, done.stderr
+        assert f"starting a daemon at {address}" in done.stderr, "a name the daemon knows starts the default one"
+        assert httpx.get(f"http://{address}/health").status_code == 200, "it keeps serving for the next run"
+    finally:
+        subprocess.run([sys.executable, "-m", "superfluid", "stop"], env=environment, timeout=60)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
 from ..agents.launch import LaunchError, find, start
+from ..model.resolve import is_hub_id
 
 LOAD_TIMEOUT_S = 600.0  # a model loaded on demand may be large
 
@@ -44,8 +46,11 @@ def answer_once(
     url = f"http://{address}"
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        daemon = find(url, api_key, None)
-        name = start(address, ["--model", model], api_key).model if daemon is None else _load(url, headers, model)
+        if find(url, api_key, None) is None:
+            # a file or a hub id is served from the start; a name (`smollm2`) is one the daemon knows
+            named = Path(model).expanduser().exists() or is_hub_id(model)
+            start(address, ["--model", model] if named else [], api_key)
+        name = _load(url, headers, model)
     except LaunchError as e:
         print(f"superfluid run: {e}", file=err)
         return 1
