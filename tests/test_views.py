@@ -4,9 +4,6 @@ pilot, and on a real pseudo-terminal under tmux) and `superfluid top`."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -16,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import HttpDaemon, forced, free_port, new_session, say
+from terminal import Terminal
 from textual.widgets import DataTable
 
 from superfluid.views.figures import Figures
@@ -152,9 +150,6 @@ def test_top_shows_each_daemon_up_refused_or_down(daemon: HttpDaemon, tmp_path: 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="tmux and a pseudo-terminal")
 def test_serve_on_a_terminal_shows_the_monitor(tmp_path: Path) -> None:
-    tmux = shutil.which("tmux")
-    assert tmux, "tmux is needed: apt-get install tmux (make test does it)"
-    server = ["tmux", "-L", f"sf-test-{os.getpid()}"]
     command = [
         str(Path(sys.executable).parent / "superfluid"),
         "serve",
@@ -168,31 +163,13 @@ def test_serve_on_a_terminal_shows_the_monitor(tmp_path: Path) -> None:
         "--max-batch",
         "2",
     ]
-    script = tmp_path / "serve.sh"
-    script.write_text(f"{' '.join(command)}; echo exited $? > {tmp_path / 'exit'}\n")
-    subprocess.run([*server, "new-session", "-d", "-s", "serve", "-x", "160", "-y", "48", f"sh {script}"], check=True)
-    try:
-
-        def pane() -> str:
-            return subprocess.run([*server, "capture-pane", "-p", "-t", "serve"], capture_output=True, text=True).stdout
-
-        deadline = time.monotonic() + 120
-        while "lanes 0/2 busy" not in pane():
-            assert time.monotonic() < deadline, pane()
-            time.sleep(0.25)
-        screen = pane()
+    with Terminal("serve") as term:
+        term.start(command, exit_file=tmp_path / "exit")
+        screen = term.wait_for("lanes 0/2 busy", timeout=120)
         assert "KV slots" in screen and "queue:" in screen and "first token" in screen, screen
-        subprocess.run([*server, "send-keys", "-t", "serve", "q"], check=True)
-        deadline = time.monotonic() + 10
-        while "Stop the daemon?" not in pane():
-            assert time.monotonic() < deadline, pane()
-            time.sleep(0.1)
-        subprocess.run([*server, "send-keys", "-t", "serve", "y"], check=True)
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "exit").exists():
-            assert time.monotonic() < deadline, pane()
-            time.sleep(0.1)
+        term.keys("q")
+        term.wait_for("Stop the daemon?", timeout=10)
+        term.keys("y")
+        term.wait_for(lambda _: (tmp_path / "exit").exists(), timeout=30)
         assert (tmp_path / "exit").read_text().strip() == "exited 0"
         assert (tmp_path / "sessions" / "logs" / "superfluid.0.jsonl").exists(), "the log also went to disk"
-    finally:
-        subprocess.run([*server, "kill-server"], capture_output=True)

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _agent_commands(commands)
     _run_command(commands)
+    _chat_command(commands)
     _catalog_commands(commands)
     service = commands.add_parser(
         "service",
@@ -193,6 +194,39 @@ def _run_command(commands: Any) -> None:
     )
     run.add_argument("--seed", type=int, default=None, metavar="N", help="the sampling seed")
     _daemon_address(run)
+
+
+def _chat_command(commands: Any) -> None:
+    """`chat`: a terminal chat on durable sessions."""
+    chat = commands.add_parser(
+        "chat",
+        usage="superfluid chat [MODEL] [--session ID] [options]",
+        help="chat in the terminal; sessions last, resume and branch",
+        description="Chat with the daemon's model in the terminal. Each conversation is a session in the daemon's "
+        "log: resume it by id (after a restart too), branch it with /fork, or with /edit N start a branch in which "
+        "message N says something else; /help lists the commands. It talks to the daemon at --socket, starting one "
+        "in the background when none answers (with MODEL, at --http; superfluid stop stops it).",
+        epilog="examples:\n"
+        "  superfluid chat\n"
+        "  superfluid chat ~/models/qwen3-8b-q4_k_m.gguf --temperature 0.6\n"
+        "  superfluid chat --session 12",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL", help="the model to start a daemon with (default: its own)"
+    )
+    chat.add_argument("--session", type=int, default=None, metavar="ID", help="resume this session")
+    chat.add_argument(
+        "--max-tokens", type=_positive, default=1024, metavar="N", help="the longest reply (default: 1024)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=None, metavar="T", help="a new session's temperature (default: 0.7)"
+    )
+    chat.add_argument("--seed", type=int, default=None, metavar="N", help="a new session's sampling seed")
+    chat.add_argument(
+        "--socket", type=Path, default=None, metavar="PATH", help=f"the daemon's socket (default: {default_socket()})"
+    )
+    _daemon_address(chat)
 
 
 def _daemon_address(parser: argparse.ArgumentParser, key: str = "the daemon's key") -> None:
@@ -372,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         from .prompt import main_run
 
         return main_run(args)
+    if args.command == "chat":
+        from .chat import main_chat
+
+        return main_chat(args)
     if args.command == "service":
         from .service import main_service
 
