@@ -22,6 +22,7 @@ def test_models_lists_the_embedded_the_hub_cache_and_a_folder(
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "plain.gguf").symlink_to(embedded_model().path)
+    (folder / "cut.gguf").write_bytes(embedded_model().path.read_bytes()[:4096])  # a download cut short
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     assert main(["models", "--dir", str(folder), "--http", "127.0.0.1:9"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -32,4 +33,7 @@ def test_models_lists_the_embedded_the_hub_cache_and_a_folder(
     context = metadata[f"{metadata['general.architecture']}.context_length"]
     for row in rows.values():
         assert row[3:6] == ["Q4_1", context, "chatml"], row  # size is two words: "94 MiB"
-    assert lines[4] == "(no daemon answers at 127.0.0.1:9: LOADED is left empty)"
+    assert lines[4:] == [
+        f"(not a GGUF llama.cpp reads: {folder / 'cut.gguf'})",
+        "(no daemon answers at 127.0.0.1:9: LOADED is left empty)",
+    ]

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
+from fake_hub import FakeHub
 
-from superfluid.model.resolve import ModelNotFound, embedded_model, is_hub_id, pick_gguf, resolve_model
+from superfluid.config import ServeConfig
+from superfluid.core.runtime import Models
+from superfluid.model.resolve import ModelNotFound, embedded_model, hub_ref, is_hub_id, pick_gguf, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -71,6 +68,20 @@ def test_a_hub_id_resolves_from_the_local_cache(hub_cache: Path) -> None:
     snapshot = put_in_cache(hub_cache, "someone/tiny-GGUF", {"tiny-Q8_0.gguf": b"GGUF", "tiny-Q4_1.gguf": b"GGUF"})
     found = resolve_model("someone/tiny-GGUF:Q4_1", offline=True)
     assert found.path == snapshot / "tiny-Q4_1.gguf" and found.name == "someone/tiny-GGUF"
+    # the names people copy from the hub and Ollama find the same file
+    for name in ("hf.co/someone/tiny-GGUF:Q4_1", "https://huggingface.co/someone/tiny-GGUF:Q4_1"):
+        assert resolve_model(name, offline=True) == found
+
+
+def test_a_served_model_answers_to_its_hub_name_with_the_quant(hub_cache: Path) -> None:
+    put_in_cache(hub_cache, "someone/tiny-GGUF", {"tiny-Q8_0.gguf": b"GGUF"})
+    models = Models(ServeConfig(offline=True))
+    model_id = models.add("hf.co/someone/tiny-GGUF:Q8_0")
+    assert model_id == "someone/tiny-GGUF"
+    for name in ("someone/tiny-GGUF", "hf.co/someone/tiny-GGUF:Q8_0", "someone/tiny-gguf:latest", "tiny-Q8_0"):
+        assert models.find(name) == model_id, name
+    assert models.find("hf.co/someone/tiny-GGUF:Q4_K_M") is None, "a quantisation it does not serve"
+    assert hub_ref("hf.co/a/b:latest") == "a/b" and hub_ref("smollm2:latest") == "smollm2:latest", "no hub name"
 
 
 def test_offline_and_missing_names_what_was_looked_for_and_where(hub_cache: Path) -> None:
@@ -83,82 +94,23 @@ def test_offline_and_missing_names_what_was_looked_for_and_where(hub_cache: Path
     assert "huggingface-cli download someone/tiny-GGUF --include '*Q4_K_M*.gguf'" in message
 
 
-class FakeHub(BaseHTTPRequestHandler):
-    """The two Hugging Face endpoints a download uses: the repo tree and file resolution."""
-
-    files: dict[str, bytes] = {}
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _file(self) -> tuple[str, bytes] | None:
-        prefix = "/someone/remote-GGUF/resolve/main/"
-        if self.path.startswith(prefix):
-            name = self.path[len(prefix) :]
-            if name in self.files:
-                return name, self.files[name]
-        return None
-
-    def do_HEAD(self) -> None:
-        found = self._file()
-        if found is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("ETag", '"' + hashlib.sha256(found[1]).hexdigest() + '"')
-        self.send_header("Content-Length", str(len(found[1])))
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        if self.path.startswith("/api/models/someone/remote-GGUF/tree/main"):
-            body = json.dumps(
-                [
-                    {"type": "file", "path": name, "size": len(data), "oid": "0" * 40}
-                    for name, data in self.files.items()
-                ]
-            ).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        found = self._file()
-        if found is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(found[1])))
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("ETag", '"' + hashlib.sha256(found[1]).hexdigest() + '"')
-        self.end_headers()
-        self.wfile.write(found[1])
-
-
 @pytest.fixture
-def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    FakeHub.files = {"remote-Q4_1.gguf": b"GGUF-remote-weights", "remote-Q8_0.gguf": b"GGUF-other"}
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    yield endpoint
-    server.shutdown()
+def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    with FakeHub() as hub:
+        hub.repos["someone/remote-GGUF"] = {
+            "remote-Q4_1.gguf": b"GGUF-remote-weights",
+            "remote-Q8_0.gguf": b"GGUF-other",
+        }
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        yield hub
 
 
 def test_a_missing_model_is_downloaded_into_the_cache(
-    hub_cache: Path, fake_hub: str, monkeypatch: pytest.MonkeyPatch
+    hub_cache: Path, fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    importlib.reload(huggingface_hub.constants)  # the endpoint and cache are read at import
-    try:
-        found = resolve_model("someone/remote-GGUF:Q4_1")
-        assert found.path.read_bytes() == b"GGUF-remote-weights"
-        assert str(found.path).startswith(str(hub_cache / "models--someone--remote-GGUF"))
-        # the next start finds it in the cache, with no network at all
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        assert resolve_model("someone/remote-GGUF:Q4_1").path == found.path
-    finally:
-        monkeypatch.undo()
-        importlib.reload(huggingface_hub.constants)
+    found = resolve_model("someone/remote-GGUF:Q4_1")
+    assert found.path.read_bytes() == b"GGUF-remote-weights"
+    assert str(found.path).startswith(str(hub_cache / "models--someone--remote-GGUF"))
+    # the next start finds it in the cache, with no network at all
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("someone/remote-GGUF:Q4_1").path == found.path

@@ -1,8 +1,8 @@
-"""Ollama-compatible routes: /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /.
+"""Ollama-compatible routes: /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/pull, /api/version, /.
 
-`/api/tags` and `/api/ps` name each model by the id `/v1/models` gives it. Ollama's model
-management (`pull`, `push`, `create`, `copy`, `delete`, `blobs`) answers 501 in Ollama's error
-shape, saying what to use instead.
+`/api/tags` and `/api/ps` name each model by the id `/v1/models` gives it. `/api/pull` fetches a
+GGUF from Hugging Face (`ollama_pull.py`); the rest of Ollama's model management (`push`, `create`,
+`copy`, `delete`, `blobs`) answers 501 in Ollama's error shape, saying what to use instead.
 
 Streaming is on unless `"stream": false`, as in Ollama: one JSON object per line, the
 last with `"done": true`, `done_reason`, and the token counts
@@ -32,14 +32,16 @@ from .. import __version__
 from ..core.daemon import Daemon
 from ..core.fim import missing_markers
 from ..core.runtime import ModelError, Runtime
+from ..model.pull import PullError
 from ..model.tools import ToolDeclarationError, normalize_tools
 from ..transports.access import may_administer
 from .chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, scheduling
 from .fim_request import completion_scheduling, fim_runtime_for, fim_tokens
+from .ollama_pull import PullBody, last, lines, start
 from .openai import GONE, Body, sampling
 
-MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}")
+MANAGEMENT = ("/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}")
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_ctx", "ignore_eos"}
 
 
@@ -183,6 +185,18 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
 
     for route in MANAGEMENT:
         api.add_api_route(route, management, methods=["POST", "DELETE", "HEAD"], include_in_schema=False)
+
+    @api.post("/api/pull")
+    async def pull(body: PullBody, http: Request) -> Response:
+        if not may_administer(http.scope):
+            return error("pulling a model needs an admin key", 403)
+        try:
+            pulling, client = await start(body.model or body.name or "")
+            if body.stream:
+                return StreamingResponse(lines(daemon, pulling, client), media_type="application/x-ndjson")
+            return JSONResponse(await last(daemon, pulling, client))
+        except PullError as e:
+            return error(str(e), e.status)
 
     @api.post("/api/show")
     async def show(body: ShowBody) -> Response:

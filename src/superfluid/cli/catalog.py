@@ -18,7 +18,8 @@ from typing import IO, Any
 
 import httpx
 
-from ..model.resolve import EMBEDDED_NAME, ModelNotFound, embedded_model, hub_cache_dir
+from ..model.pull import downloads_dir, size_text
+from ..model.resolve import EMBEDDED_NAME, ModelNotFound, embedded_model, hub_cache_dir, quant_in_name
 
 # llama.cpp's file types (`general.file_type`) that ship most often, for files whose name says none
 FILE_TYPES = {
@@ -49,7 +50,6 @@ TURN_MARKERS = (
     ("[INST]", "mistral"),
     ("<|user|>", "zephyr"),
 )
-QUANT_IN_NAME = re.compile(r"(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-_.]|$)", re.IGNORECASE)
 _SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
@@ -66,7 +66,8 @@ class LocalModel:
 
 
 def found_files(directories: list[Path]) -> Iterator[tuple[str, Path]]:
-    """(the name `serve` takes, the file) for the embedded model, the hub cache and `directories`."""
+    """(the name `serve` takes, the file) for the embedded model, the hub cache, the models `pull` fetched
+    by URL and `directories`."""
     with contextlib.suppress(ModelNotFound):  # a build without the embedded package lists the rest
         yield EMBEDDED_NAME, embedded_model().path
     hub = hub_cache_dir()
@@ -74,9 +75,9 @@ def found_files(directories: list[Path]) -> Iterator[tuple[str, Path]]:
         name = repo.name.removeprefix("models--").replace("--", "/")
         for path in sorted(repo.glob("snapshots/*/**/*.gguf")):
             if _wanted(path):
-                quant = _quant_in_name(path.name)
+                quant = quant_in_name(path.name)
                 yield (f"{name}:{quant}" if quant else name), path
-    for directory in directories:
+    for directory in [downloads_dir(), *directories]:
         for path in sorted(directory.expanduser().rglob("*.gguf")):
             if _wanted(path):
                 yield str(path), path
@@ -88,11 +89,6 @@ def _wanted(path: Path) -> bool:
     return "mmproj" not in path.name.lower() and (part is None or part.group(1) == "00001")
 
 
-def _quant_in_name(filename: str) -> str:
-    found = QUANT_IN_NAME.findall(filename.removesuffix(".gguf"))
-    return found[-1].upper() if found else ""
-
-
 def describe(name: str, path: Path) -> LocalModel:
     """What a GGUF's metadata says of it (its vocabulary and metadata only are read)."""
     from ..engine.llama import LlamaModel
@@ -101,7 +97,7 @@ def describe(name: str, path: Path) -> LocalModel:
     model = LlamaModel(path, vocab_only=True)
     arch = model.metadata.get("general.architecture", "")
     file_type = model.metadata.get("general.file_type", "")
-    quant = _quant_in_name(path.name) or FILE_TYPES.get(int(file_type) if file_type.isdigit() else -1, "?")
+    quant = quant_in_name(path.name) or FILE_TYPES.get(int(file_type) if file_type.isdigit() else -1, "?")
     template = model.chat_template
     dialect = recognise(template) if template else None
     marked = next((name for marker, name in TURN_MARKERS if template and marker in template), "other")
@@ -126,19 +122,29 @@ def _models(address: str, api_key: str | None) -> list[dict[str, Any]]:
 
 
 def list_models(directories: list[Path], address: str, api_key: str | None, out: IO[str]) -> int:
+    from ..engine.interface import EngineError
+
     loaded = loaded_ids(address, api_key)
-    rows = [describe(name, path) for name, path in found_files(directories)]
+    rows: list[LocalModel] = []
+    unreadable: list[str] = []
+    for name, path in found_files(directories):
+        try:
+            rows.append(describe(name, path))
+        except EngineError:  # a file cut short, or no GGUF at all: the rest are still worth listing
+            unreadable.append(f"(not a GGUF llama.cpp reads: {path})")
     width = max((len(row.name) for row in rows), default=4)
     print(f"{'NAME'.ljust(width)}  {'SIZE':>9}  {'QUANT':<7}  {'CONTEXT':>7}  {'FAMILY':<12}  LOADED", file=out)
     for row in rows:
         # a daemon names a model by its file's stem, or by its repository
         here = loaded is not None and bool({row.name, row.name.split(":")[0], row.path.stem} & loaded)
-        size = f"{row.size / 2**20:.0f} MiB" if row.size < 2**30 else f"{row.size / 2**30:.1f} GiB"
+        size = size_text(row.size)
         print(
             f"{row.name.ljust(width)}  {size:>9}  {row.quant:<7}  {row.context or '?':>7}  {row.family:<12}  "
             f"{'yes' if here else ''}",
             file=out,
         )
+    for line in unreadable:
+        print(line, file=out)
     if loaded is None:
         print(f"(no daemon answers at {address}: LOADED is left empty)", file=out)
     return 0

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_command(commands)
     _chat_command(commands)
     _catalog_commands(commands)
+    _pull_command(commands)
     service = commands.add_parser(
         "service",
         usage="superfluid service unit|install [-- SERVE FLAGS]",
@@ -265,6 +266,27 @@ def _catalog_commands(commands: Any) -> None:
     _daemon_address(ps)
 
 
+def _pull_command(commands: Any) -> None:
+    """`pull`: download a model into the Hugging Face cache."""
+    pull = commands.add_parser(
+        "pull",
+        help="download a GGUF model from Hugging Face (or a URL), with progress",
+        description="Download MODEL into the Hugging Face cache (HF_HUB_CACHE), where serve, run and models find "
+        "it: org/repo-GGUF:QUANT, org/repo-GGUF when the repository has one GGUF (with several, they are listed "
+        "with their sizes), or a URL to a .gguf file (saved under $SUPERFLUID_HOME/models). A cut download "
+        "resumes where it stopped; the file's size and sha256 are checked against what the hub states. "
+        "HF_ENDPOINT names another hub, HF_TOKEN is sent for private and gated repositories.",
+        epilog="examples:\n"
+        "  superfluid pull bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M\n"
+        "  superfluid pull bartowski/SmolLM2-360M-Instruct-GGUF      # lists its quantisations\n"
+        "  superfluid pull https://huggingface.co/bartowski/SmolLM2-360M-Instruct-GGUF/resolve/main/"
+        "SmolLM2-360M-Instruct-Q8_0.gguf\n"
+        "  superfluid serve bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pull.add_argument("model", metavar="MODEL", help="org/repo-GGUF[:QUANT] or a URL to a .gguf file")
+
+
 def _client_commands(commands: Any) -> None:
     """`session` and `media`: clients of a running daemon's socket."""
 
@@ -419,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(script(args.shell, parser), end="")
         return 0
+    if args.command == "pull":
+        from .pull import main_pull
+
+        return main_pull(args)
     if args.command in ("models", "ps"):
         from .catalog import main_catalog
 

@@ -26,7 +26,7 @@ from ..engine.llama import LlamaContext, LlamaModel
 from ..engine.local import LocalEngine
 from ..engine.worker_client import WorkerEngine
 from ..model.dialects import named
-from ..model.resolve import ModelNotFound, resolve_model
+from ..model.resolve import ModelNotFound, hub_ref, quant_in_name, resolve_model
 from ..model.template import CHATML, ChatTemplate
 from ..scheduler.park import Park, default_budget, park_fingerprint
 from ..scheduler.prompt_pins import PromptPins
@@ -266,16 +266,20 @@ class Models:
 
     def find(self, name: str | None) -> str | None:
         """The id a request's `model` names: an id, a file name or path, either without its case or a
-        `:latest` tag, or the start of exactly one id (`smollm2` for `SmolLM2-135M-Instruct`)."""
+        `:latest` tag, a hub id with its quantisation (`hf.co/org/repo:Q4_K_M`), or the start of exactly
+        one id (`smollm2` for `SmolLM2-135M-Instruct`)."""
         if not name:
             return self.default_id
         with self._lock:
             if name in self.known:
                 return name
-            wanted = name.lower().removesuffix(":latest")
+            wanted = hub_ref(name).lower().removesuffix(":latest")
+            repo, _, quant = wanted.partition(":")
             for model_id, known in self.known.items():
                 if wanted in (model_id.lower(), known.path.stem.lower(), known.path.name.lower(), str(known.path)):
                     return model_id
+                if quant and repo == model_id.lower() and quant == quant_in_name(known.path.name).lower():
+                    return model_id  # the hub's `org/repo:QUANT`, as Ollama's clients name a pulled model
             starting = [model_id for model_id in self.known if model_id.lower().startswith(wanted)]
         return starting[0] if len(starting) == 1 else None
 

