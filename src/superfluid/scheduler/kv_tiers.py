@@ -178,6 +178,14 @@ class KVTiers:
         for hosted in list(self.cache.host.entries.values()):
             self.park.put(hosted.tokens, hosted.state)
 
+    def park_slot(self, seq: int, held: list[int]) -> None:
+        """Park what slot `seq` holds now (`held`), unless the park has it: a long prompt just prefilled,
+        so that a crash soon after finds it (the write runs on the park's thread)."""
+        assert self.park is not None
+        tokens = np.asarray(held, dtype=np.int32)
+        if len(tokens) >= EXPORT_MIN_TOKENS and not self.park.holds(tokens):
+            self.park.put(tokens, self.engine.export(seq))
+
     def calibrate(self) -> float | None:
         """Measure, on two free slots, what choosing between the park and a prefill rests on: the
         seconds a byte of parked state costs to check and import (kept here), and those a prefilled

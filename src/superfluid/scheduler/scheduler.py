@@ -73,6 +73,10 @@ LONG_PREFILL = 1024  # a lane with more than this left to prefill gives its lane
 BUSY_TICK_S = 0.25  # tick length while every lane is busy
 PARK_AFTER_IDLE_S = 2.0  # idle this long, the scheduler parks the idle entries not parked yet
 PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is parked this often
+# A prompt that needed this much prefill is parked as soon as it is prefilled, not when it is idle, so
+# a crash a second later finds it: 256 tokens take about 1 s to prefill on the embedded model on 2 cores,
+# their export about 5 ms between two ticks.
+WRITE_BEHIND_MIN_TOKENS = 256
 BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
 
 
@@ -117,6 +121,7 @@ class Scheduler:
         self.background_divisor = 1
         self.pace = Pace()
         self._queue: list[Job] = []
+        self._prefilled: list[int] = []  # slots whose long prompts were just prefilled, to park (write-behind)
         self._order = itertools.count()
         self._admissions = itertools.count()
         self._cv = threading.Condition()
@@ -234,6 +239,8 @@ class Scheduler:
             self.stats.ticks += 1
             self.stats.tick_in_flight = False
             self.on_tick()
+            if self._prefilled:  # after the commit: the first token is shown before the export
+                self._idle_chore(self._park_prefilled)
             if self.tiers.park is not None and time.monotonic() - parked_at >= PARK_BUSY_EVERY_S:
                 # a daemon that is never idle parks too, a little at a time
                 self._idle_chore(lambda: self._park_idle(limit=1))
@@ -248,6 +255,17 @@ class Scheduler:
                 self._worker_gone = True
         except Exception:
             log.exception("housekeeping between ticks failed")
+
+    def _park_prefilled(self) -> None:
+        """Park the slots whose long prompts this tick prefilled, write-behind: a running lane's, or the
+        idle entry a finished one left."""
+        slots, self._prefilled = self._prefilled, []
+        running = {lane.seq: lane.held for lane in self.lanes}
+        for seq in slots:
+            entry = self.tiers.cache.entries.get(seq)
+            held = running.get(seq, list(entry.tokens) if entry is not None else None)
+            if held is not None:
+                self.tiers.park_slot(seq, held)
 
     def _park_idle(self, limit: int | None = None) -> None:
         """Idle entries to the park, until a job arrives."""
@@ -606,6 +624,8 @@ class Scheduler:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
         job = lane.job
         position = len(lane.held)
+        if job.generated == 0 and self.tiers.park is not None and position - job.warm_prefix >= WRITE_BEHIND_MIN_TOKENS:
+            self._prefilled.append(lane.seq)
         if self.engine.end_of_generation[token]:
             self._retire(lane, FINISH_STOP if job.grammar is None else FINISH_GRAMMAR)
             return True
