@@ -12,9 +12,9 @@ cancelled at the next tick, as a streaming client does when its stream is closed
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -48,6 +48,19 @@ def model_id_for(daemon: Daemon, name: str | None) -> str:
         known = ", ".join(daemon.models.known)
         raise ChatError(f"model {name!r} is not served here; known models: {known}", 404, "model_not_found")
     return model_id
+
+
+def problems(errors: Iterable[Mapping[str, Any]], skip: int = 0) -> str:
+    """pydantic's validation errors in one line: each field's dotted path (less its first `skip` parts,
+    FastAPI's "body") and what is wrong with it."""
+    return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[skip:]) or 'body'}: {e.get('msg')}" for e in errors)
+
+
+def owner(request: Request) -> str | None:
+    """Who stores what a request stores: its key's name under a key policy (each key sees only its
+    own), None otherwise."""
+    key = request_key(request.scope)
+    return key.name if key is not None else None
 
 
 async def runtime_for(daemon: Daemon, name: str | None) -> Runtime:
@@ -95,18 +108,21 @@ async def _hang_up(request: Request) -> None:
         pass
 
 
-async def collect(run: ChatRun, request: Request) -> Collected | None:
+async def collect(run: ChatRun, request: Request | None) -> Collected | None:
     """The whole reply of `run`, or None (and the generation cancelled) when the client went away first."""
     return await while_connected(run.collect(), [run], request)
 
 
-async def collect_all(runs: Sequence[ChatRun], request: Request) -> list[Collected] | None:
+async def collect_all(runs: Sequence[ChatRun], request: Request | None) -> list[Collected] | None:
     """The whole replies of runs generated side by side (one request's choices), or None as `collect`."""
     return await while_connected(asyncio.gather(*(run.collect() for run in runs)), runs, request)
 
 
-async def while_connected(work: Awaitable[T], runs: Sequence[ChatRun], request: Request) -> T | None:
-    """`work`'s result, or None (and `runs` cancelled) when the client hangs up first."""
+async def while_connected(work: Awaitable[T], runs: Sequence[ChatRun], request: Request | None) -> T | None:
+    """`work`'s result, or None (and `runs` cancelled) when the client hangs up first; with no request
+    (a batch's, which no client waits on), simply `work`'s result."""
+    if request is None:
+        return await work
     reply = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_hang_up(request))
     try:

@@ -181,82 +181,104 @@ def router(daemon: Daemon, policy: HttpPolicy) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         try:
-            n = body.choices(body.stream)
-            logprobs = body.logprob_count()
-            tools = normalize_tools(body.tools or [])
-            choice = body.tool_choice or "auto"
-            schema = None
-            if body.response_format and body.response_format.get("type") == "json_object":
-                schema = True
-            elif body.response_format and body.response_format.get("type") == "json_schema":
-                schema = (body.response_format.get("json_schema") or {}).get("schema")
-                if schema is None:
-                    return error("response_format json_schema needs a schema", param="response_format")
             qos, invariant = scheduling(http, policy)
-            runtime = await runtime_for(daemon, body.model)
-            request = ChatRequest(
-                messages=chat_messages(body.messages),
-                params=body.params(runtime.sampling),
-                max_tokens=body.max_completion_tokens or body.max_tokens,
-                tools=tools,
-                tool_choice=choice,
-                parallel_tool_calls=bool(body.parallel_tool_calls),
-                stop=_stops(body.stop),
-                json_schema=schema,
-                ignore_eos=body.ignore_eos,
-                qos=qos,
-                batch_invariant=invariant,
-                shaping=body.shaping(runtime.sampling, logprobs),
-                template_vars=body.template_vars(),
-            )
-            runs = [await ChatRun.open(daemon, one, runtime) for one in choice_requests(request, n)]
-        except ToolDeclarationError as e:
-            return error(str(e), param="tools")
         except ChatError as e:
             return error(str(e), e.status, e.code, e.param)
-        reply_id = f"chatcmpl-superfluid-{next(_ids)}"
-        name = body.model or runtime.id
-        if body.stream:
-            usage_apart = bool((body.stream_options or {}).get("include_usage"))
-            return await _chat_stream_reply(runs[0], http, reply_id, name, logprobs >= 0, usage_apart)
-        return await answer(policy, lambda: _chat_reply(runs, http, reply_id, name, logprobs >= 0))
+        return await chat_completion(daemon, body, qos, invariant, policy, http)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
         try:
-            logprobs = body.logprob_count()
             qos, invariant = completion_scheduling(http, policy)
-            prompt: dict[str, Any]  # the request's prompt as text, or as token ids (a FIM prompt)
-            if body.suffix is not None:
-                runtime = await fim_runtime_for(daemon, body.model)
-                prompt = {"prompt_tokens": fim_tokens(runtime, body.prompt, body.suffix, param="suffix")}
-            else:
-                runtime = await runtime_for(daemon, body.model)
-                prompt = {"prompt": body.prompt}
-            request = ChatRequest(
-                messages=[],
-                **prompt,
-                params=body.params(runtime.sampling),
-                max_tokens=body.max_tokens,
-                stop=_stops(body.stop),
-                ignore_eos=body.ignore_eos,
-                qos=qos,
-                batch_invariant=invariant,
-                shaping=body.shaping(runtime.sampling, logprobs),
-            )
-            run = await ChatRun.open(daemon, request, runtime)
         except ChatError as e:
             return error(str(e), e.status, e.code, e.param)
-        reply_id = f"cmpl-superfluid-{next(_ids)}"
-        name = body.model or run.runtime.id
-        echo = body.prompt if body.echo else ""
-        if body.stream:
-            return StreamingResponse(
-                _completion_stream(run, reply_id, name, echo, logprobs >= 0), media_type="text/event-stream"
-            )
-        return await answer(policy, lambda: _completion_reply(run, http, reply_id, name, echo, logprobs >= 0))
+        return await completion(daemon, body, qos, invariant, policy, http)
 
     return api
+
+
+async def chat_completion(
+    daemon: Daemon, body: ChatCompletionRequest, qos: int, invariant: bool, policy: HttpPolicy, http: Request | None
+) -> Response:
+    """The reply to a chat completion run in class `qos`: the route's, and a batch's (`http` None: no
+    client to watch for a hang-up)."""
+    try:
+        n = body.choices(body.stream)
+        logprobs = body.logprob_count()
+        tools = normalize_tools(body.tools or [])
+        choice = body.tool_choice or "auto"
+        schema = None
+        if body.response_format and body.response_format.get("type") == "json_object":
+            schema = True
+        elif body.response_format and body.response_format.get("type") == "json_schema":
+            schema = (body.response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                return error("response_format json_schema needs a schema", param="response_format")
+        runtime = await runtime_for(daemon, body.model)
+        request = ChatRequest(
+            messages=chat_messages(body.messages),
+            params=body.params(runtime.sampling),
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=bool(body.parallel_tool_calls),
+            stop=_stops(body.stop),
+            json_schema=schema,
+            ignore_eos=body.ignore_eos,
+            qos=qos,
+            batch_invariant=invariant,
+            shaping=body.shaping(runtime.sampling, logprobs),
+            template_vars=body.template_vars(),
+        )
+        runs = [await ChatRun.open(daemon, one, runtime) for one in choice_requests(request, n)]
+    except ToolDeclarationError as e:
+        return error(str(e), param="tools")
+    except ChatError as e:
+        return error(str(e), e.status, e.code, e.param)
+    reply_id = f"chatcmpl-superfluid-{next(_ids)}"
+    name = body.model or runtime.id
+    if body.stream:
+        usage_apart = bool((body.stream_options or {}).get("include_usage"))
+        return await _chat_stream_reply(runs[0], http, reply_id, name, logprobs >= 0, usage_apart)
+    return await answer(policy, lambda: _chat_reply(runs, http, reply_id, name, logprobs >= 0))
+
+
+async def completion(
+    daemon: Daemon, body: CompletionRequest, qos: int, invariant: bool, policy: HttpPolicy, http: Request | None
+) -> Response:
+    """The reply to a completion run in class `qos`: the route's, and a batch's (`http` None, as
+    `chat_completion`)."""
+    try:
+        logprobs = body.logprob_count()
+        prompt: dict[str, Any]  # the request's prompt as text, or as token ids (a FIM prompt)
+        if body.suffix is not None:
+            runtime = await fim_runtime_for(daemon, body.model)
+            prompt = {"prompt_tokens": fim_tokens(runtime, body.prompt, body.suffix, param="suffix")}
+        else:
+            runtime = await runtime_for(daemon, body.model)
+            prompt = {"prompt": body.prompt}
+        request = ChatRequest(
+            messages=[],
+            **prompt,
+            params=body.params(runtime.sampling),
+            max_tokens=body.max_tokens,
+            stop=_stops(body.stop),
+            ignore_eos=body.ignore_eos,
+            qos=qos,
+            batch_invariant=invariant,
+            shaping=body.shaping(runtime.sampling, logprobs),
+        )
+        run = await ChatRun.open(daemon, request, runtime)
+    except ChatError as e:
+        return error(str(e), e.status, e.code, e.param)
+    reply_id = f"cmpl-superfluid-{next(_ids)}"
+    name = body.model or run.runtime.id
+    echo = body.prompt if body.echo else ""
+    if body.stream:
+        return StreamingResponse(
+            _completion_stream(run, reply_id, name, echo, logprobs >= 0), media_type="text/event-stream"
+        )
+    return await answer(policy, lambda: _completion_reply(run, http, reply_id, name, echo, logprobs >= 0))
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -277,7 +299,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[st
 
 
 async def _completion_reply(
-    run: ChatRun, http: Request, reply_id: str, name: str, echo: str, logprobs: bool
+    run: ChatRun, http: Request | None, reply_id: str, name: str, echo: str, logprobs: bool
 ) -> Response:
     reply = await collect(run, http)
     if reply is None:
@@ -290,7 +312,7 @@ async def _completion_reply(
     return JSONResponse(_reply(reply_id, "text_completion", name, [choice], [outcome]))
 
 
-async def _chat_reply(runs: list[ChatRun], http: Request, reply_id: str, name: str, logprobs: bool) -> Response:
+async def _chat_reply(runs: list[ChatRun], http: Request | None, reply_id: str, name: str, logprobs: bool) -> Response:
     replies = await collect_all(runs, http)
     if replies is None:
         return error("the client closed the connection", GONE, "client_closed")
@@ -365,7 +387,7 @@ async def _first_pieces(pieces: AsyncIterator[Piece]) -> list[Piece]:
 
 
 async def _chat_stream_reply(
-    run: ChatRun, http: Request, reply_id: str, name: str, logprobs: bool, usage_apart: bool
+    run: ChatRun, http: Request | None, reply_id: str, name: str, logprobs: bool, usage_apart: bool
 ) -> Response:
     """A streamed reply, answered once the run has its first piece (by then its warm prefix is known),
     or has failed before it: a failure is an error chunk then `[DONE]` either way. `usage_apart`

@@ -38,9 +38,8 @@ from ..core.verbs.base import TURN_ENDED
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
 from ..store.responses import ResponseRecords
-from ..transports.access import request_key
 from .chat import ChatError, ChatRequest, ChatRun, Outcome
-from .chat_http import HttpPolicy, answer, collect, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, owner, runtime_for, scheduling
 from .openai import GONE, SampledBody, chat_messages, error
 from .response_items import Event, Output, appendable, chat_turns, input_items, new_id, qualified
 
@@ -205,7 +204,7 @@ class Responses:
     async def record(self, response_id: str, http: Request) -> dict[str, Any] | None:
         """A stored response, if the request's key may see it: under a key policy each key sees its own."""
         record = await asyncio.to_thread(self.records.get, response_id)
-        return record if record is not None and record.get("owner") == _owner(http) else None
+        return record if record is not None and record.get("owner") == owner(http) else None
 
     async def turn(self, body: ResponsesRequest, http: Request) -> Turn:
         """Check a request and start its run; ChatError for what cannot be served."""
@@ -261,7 +260,7 @@ class Responses:
         )
         run = await ChatRun.open(self.daemon, request, runtime)
         name = body.model or runtime.id
-        return Turn(new_id("resp"), int(time.time()), name, _owner(http), body, items, history, head, run)
+        return Turn(new_id("resp"), int(time.time()), name, owner(http), body, items, history, head, run)
 
     def _fork_point(
         self, previous: dict[str, Any] | None, head: dict[str, Any], items: list[dict[str, Any]]
@@ -414,11 +413,6 @@ class Responses:
         yield _event({"type": "error", "code": "server_error", "message": failure, "param": None}, next(numbers))
         failed = self.response(turn, "failed", output.items, error={"code": "server_error", "message": failure})
         yield _event({"type": "response.failed", "response": failed}, next(numbers))
-
-
-def _owner(http: Request) -> str | None:
-    key = request_key(http.scope)
-    return key.name if key is not None else None
 
 
 def _not_found(response_id: str) -> Response:

@@ -24,6 +24,8 @@ from ..protocol.schema import (
     Request,
     Response,
 )
+from ..store.batches import BatchRecords
+from ..store.files import FileStore
 from ..store.media import MediaStore
 from ..store.sessions import SessionStore
 from .bus import Bus
@@ -56,6 +58,9 @@ class Daemon(SessionVerbs, GenerationVerbs, ToolVerbs, MediaVerbs, AdminVerbs):
         self.metrics = metrics
         self.bus = Bus()
         self.media = MediaStore(store.directory / "media")
+        # what the HTTP APIs keep beside the sessions (/v1/files, /v1/batches), reached through the daemon
+        self.files = FileStore(store.directory / "files")
+        self.batch_records = BatchRecords(store.directory / "batches")
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
         self.remote = RemoteCommits(store, self.bus)

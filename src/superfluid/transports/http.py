@@ -6,8 +6,10 @@ the UI in a browser: a page asking for `/` is sent to `/web/`, signed in at once
 takes no key (whoever can reach the API may use the sessions anyway), and to sign in with the
 token printed at start otherwise.
 
-Also `GET /health`, `GET /metrics`, embeddings (`embeddings.py`) and the status and
-tokenizer routes (`status.py`). Keys, rate limits and draining are `access.py`'s.
+Also `GET /health`, `GET /metrics`, embeddings (`embeddings.py`), the status and
+tokenizer routes (`status.py`), and OpenAI's files and batches (`files.py`, `batches.py`:
+the batches' runner starts and stops with this listener). Keys, rate limits and draining
+are `access.py`'s.
 Requests from a web page of another site are
 refused (an `Origin` that is not this machine gets 403) unless `--cors-origin` lists it
 (`cors.py`), and a loopback listener answers only loopback `Host` names, so a page cannot
@@ -24,8 +26,20 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
-from ..api import anthropic, anthropic_errors, embeddings, infill, models, ollama, openai, responses, status
-from ..api.chat_http import HttpPolicy
+from ..api import (
+    anthropic,
+    anthropic_errors,
+    batches,
+    embeddings,
+    files,
+    infill,
+    models,
+    ollama,
+    openai,
+    responses,
+    status,
+)
+from ..api.chat_http import HttpPolicy, problems
 from ..core.daemon import Daemon
 from .access import AccessGate, Key
 from .addresses import split_address
@@ -59,6 +73,7 @@ def create_app(
     daemon: Daemon,
     loopback: bool,
     policy: HttpPolicy,
+    runner: batches.BatchRunner,
     cors: CorsOrigins | None = None,
     web: FastAPI | None = None,
     page: str = "/web/",
@@ -88,14 +103,12 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in exc.errors()
-        )
+        wrong = problems(exc.errors(), skip=1)  # less FastAPI's "body"
         if request.url.path.startswith("/api/"):
-            return ollama.error(problems)
+            return ollama.error(wrong)
         if anthropic_errors.is_anthropic(request.url.path):
-            return anthropic.error(problems)
-        return openai.error(problems)
+            return anthropic.error(wrong)
+        return openai.error(wrong)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -122,6 +135,8 @@ def create_app(
     app.include_router(ollama.router(daemon, policy))
     app.include_router(embeddings.router(daemon))
     app.include_router(status.router(daemon))
+    app.include_router(files.router(daemon, runner.reading))
+    app.include_router(batches.router(runner))
     return app
 
 
@@ -146,7 +161,9 @@ class ApiServer(HttpListener):
         # the UI on this port: loopback only, as `--web`; signed in at once where the API takes no key
         self.web = create_web_app(daemon, web_token, []) if web_token and loopback else None
         self.page = f"/web/#token={web_token}" if web_token else "/web/"
-        app = create_app(daemon, loopback, policy, cors, self.web, "/web/" if keyed else self.page)
+        # batches start no new request while the listener drains
+        self.batches = batches.BatchRunner(daemon, lambda: self.gate.draining)
+        app = create_app(daemon, loopback, policy, self.batches, cors, self.web, "/web/" if keyed else self.page)
         self.gate = AccessGate(app, api_key, keys or [], rate_limit_rpm)
         daemon.metrics.watch_gate(self.gate)
         # outside the keys: a preflight carries none, and a page must be able to read a 401
@@ -154,10 +171,19 @@ class ApiServer(HttpListener):
         self.loopback = loopback
 
     async def start(self) -> str:
-        url = await super().start()
+        await self.batches.start()  # before the routes answer: they read the batches it loads
+        try:
+            url = await super().start()
+        except BaseException:
+            await self.batches.stop()
+            raise
         if self.web is not None:
             self.web.state.auth.origins.update(own_origins(int(url.rsplit(":", 1)[1])))
         return url
+
+    async def stop(self) -> None:
+        await self.batches.stop()
+        await super().stop()
 
     def page_url(self, url: str) -> str | None:
         """The address that opens the browser UI signed in, when this port serves it."""
