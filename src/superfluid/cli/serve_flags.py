@@ -581,8 +581,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="fast: llama.cpp as it builds itself, with every matrix kernel this CPU has (1.06-1.4x faster "
         "prefill; a token's logits may change in the last bits with what shares its batch, so a cut, resumed "
         "or replayed greedy run can part from the uncut one); exact: a build whose kernels ignore the batch, "
-        "so continuations, forks and replays equal the uncut run bit for bit (default: fast; exact without "
-        "a worker process, or where the fast build is not installed)",
+        "so continuations, forks and replays equal the uncut run bit for bit, refused where llama-cpp-python "
+        "was not compiled for it (default: fast; without a worker process or a separate fast build, whichever "
+        "llama-cpp-python's own library is)",
     )
 
     logging = serve.add_argument_group("logging")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SamplingDefaults, ServeConfig
-from ..engine.build import exactness_problems, fast_environment, fast_library
+from ..engine.build import amx_compiled, batch_dependent_kernels, exact_refusal, fast_environment, fast_library
 from ..engine.interface import ContextShape, Engine, EngineError
 from ..engine.llama import LlamaContext, LlamaModel
 from ..engine.local import LocalEngine
@@ -130,22 +130,38 @@ def chat_template(model: LlamaModel, config: ServeConfig | None = None) -> ChatT
     return template
 
 
-def fast_kernels(config: ServeConfig) -> Path | None:
-    """The fast build's directory when a model runs on it; None for the exact build (the log says why)."""
+def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
+    """The build a model runs on ("fast" or "exact") and what a worker's environment needs for it; the log
+    says why where that is not the build asked for. `--kernels exact` on a library that is not exact is
+    refused with the reason and the fix (`exact_refusal`)."""
     if config.kernels == "exact":
-        return None
+        if (refusal := exact_refusal()) is not None:
+            raise ModelError(refusal)
+        return "exact", None
+    # llama-cpp-python's own library: the exact build `make` compiles, or, after a plain
+    # `pip install`, llama.cpp as it builds itself
+    own = "fast" if batch_dependent_kernels() else "exact"
     if not config.worker_process:
         log.warning(
-            "--no-worker-process runs llama.cpp in the daemon, on its exact build; --kernels fast needs workers"
+            "--no-worker-process runs llama.cpp in the daemon, on llama-cpp-python's library (%s kernels); "
+            "--kernels fast needs workers",
+            own,
         )
-        return None
+        return own, None
     library = fast_library()
-    if library is None:
-        log.warning(
-            "llama.cpp's own build is not installed (`make serve` builds it into .venv/llama-fast, or point "
-            "$SUPERFLUID_FAST_LIB at a directory with its libllama.so): running on the exact build"
+    if library is not None:
+        return "fast", fast_environment(library)
+    if own == "fast":
+        log.info(
+            "no separate fast build is installed: running on llama-cpp-python's, which is llama.cpp's own%s",
+            " (its AMX kernels left off)" if amx_compiled() else "",
         )
-    return library
+        return "fast", fast_environment(None)
+    log.warning(
+        "llama.cpp's own build is not installed (`make serve` builds it into .venv/llama-fast, or point "
+        "$SUPERFLUID_FAST_LIB at a directory with its libllama.so): running on the exact build"
+    )
+    return "exact", None
 
 
 def open_park(config: ServeConfig, identity: bytes) -> Park | None:
@@ -165,6 +181,7 @@ def open_park(config: ServeConfig, identity: bytes) -> Park | None:
 
 def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
+    kernels, environment = kernels_for(config)
     model = LlamaModel(path, vocab_only=config.worker_process)
     if config.fim_tokens is not None:
         model.set_fim(*config.fim_tokens)
@@ -174,11 +191,8 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     if window > trained:
         log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
     shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads)
-    library = fast_kernels(config)
-    kernels = "exact" if library is None else "fast"
     engine: Engine
     if config.worker_process:
-        environment = fast_environment(library) if library is not None else None
         worker = WorkerEngine(path, shape, model.end_of_generation, environment=environment)
         try:
             worker.start()
@@ -207,12 +221,6 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     )
     if isinstance(engine, WorkerEngine):
         engine.on_death = scheduler.worker_died
-    if kernels == "exact" and (problems := exactness_problems()):
-        log.warning(
-            "this llama.cpp build lets the batch change a token's logits (%s): cut, resumed and forked greedy "
-            "runs may differ from uncut ones; `make clean serve` rebuilds it as the Makefile configures it",
-            "; ".join(problems),
-        )
     return Runtime(
         model_id,
         model,

@@ -16,11 +16,17 @@ prompt prefilled in bulk, a token decoded alone and a lane batched with others w
 logits that differ in the last bits, and greedy text flips wherever two logits are close.
 The Makefile compiles llama.cpp without the first four; the tiled kernels are switched off
 by `GGML_CPU_TILED_MM=0`, which must be in the environment before the first decode.
+
+`pip install superfluid` cannot do the same: a package cannot set the compile flags of its
+dependencies, so pip builds llama-cpp-python from source with llama.cpp's defaults, which is
+the fast build. Such a daemon serves `--kernels fast` on llama-cpp-python's own library and
+refuses `--kernels exact` with the command that reinstalls it exact (`exact_refusal`).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -57,13 +63,62 @@ def features(info: str) -> dict[str, str]:
     return found
 
 
+def batch_dependent_kernels(info: str | None = None) -> list[str]:
+    """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape."""
+    present = features(system_info() if info is None else info)
+    return [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
+
+
+def amx_compiled(info: str | None = None) -> bool:
+    """Whether the loaded library (or `info`) has AMX kernels. llama.cpp runs them only on weights in its
+    extra buffer types, which `LlamaModel` then leaves off (repacked weights go with them): AMX faults in
+    some virtual machines, and its results depend on the batch. llama.cpp's default build has them on a CPU
+    with AMX, as a plain `pip install` compiles it; the Makefile compiles them out."""
+    return features(system_info() if info is None else info).get("AMX_INT8", "0") != "0"
+
+
+def tiled_kernels_on() -> bool:
+    """Whether llama.cpp's tiled K-quant kernels would run in this process (see `disable_tiled_kernels`)."""
+    return os.environ.get(TILED_ENV, "1") != "0"
+
+
 def exactness_problems(info: str | None = None) -> list[str]:
     """What in the loaded library (or `info`) lets the batch shape change a token's logits; empty when nothing does."""
-    present = features(system_info() if info is None else info)
-    problems = [f"{name} kernels are compiled in" for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
-    if os.environ.get(TILED_ENV, "1") != "0":
+    problems = [f"{name} kernels are compiled in" for name in batch_dependent_kernels(info)]
+    if tiled_kernels_on():
         problems.append(f"tiled K-quant kernels are on ({TILED_ENV} is not 0)")
     return problems
+
+
+def exact_cmake_args(machine: str | None = None) -> str:
+    """The CMAKE_ARGS that compile llama-cpp-python without the batch-dependent kernels, for this CPU
+    (the Makefile's LLAMA_CMAKE_ARGS; the Dockerfile's, but for a portable baseline)."""
+    arm = (machine or platform.machine()) in ("aarch64", "arm64")
+    flags = "-U__ARM_FEATURE_MATMUL_INT8" if arm else "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return (
+        "-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF "
+        f"-DCMAKE_C_FLAGS='{flags}' -DCMAKE_CXX_FLAGS='{flags}'"
+    )
+
+
+def exact_refusal(info: str | None = None) -> str | None:
+    """Why `--kernels exact` cannot run on the loaded library (or `info`), and how to fix it, in one line;
+    None when it can."""
+    compiled = batch_dependent_kernels(info)
+    if compiled:
+        # pip caches the wheel it built by the source's address, not its flags: --no-cache-dir builds anew
+        install = (
+            f'CMAKE_ARGS="{exact_cmake_args()}" {sys.executable} -m pip install --force-reinstall --no-deps '
+            f"--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={L.__version__}"
+        )
+        return (
+            f"--kernels exact needs llama-cpp-python compiled without the kernels whose results depend on the batch, "
+            f"and this one has {', '.join(compiled)} (pip compiles it with llama.cpp's defaults, since a package "
+            f"cannot set its dependencies' flags); recompile it with: {install}"
+        )
+    if tiled_kernels_on():
+        return f"--kernels exact needs llama.cpp's tiled K-quant kernels off: unset {TILED_ENV} or set it to 0"
+    return None
 
 
 def fast_library() -> Path | None:
@@ -73,6 +128,7 @@ def fast_library() -> Path | None:
     return where if (where / "libllama.so").exists() else None
 
 
-def fast_environment(library: Path) -> dict[str, str]:
-    """What a worker's environment needs to run on the fast build: its library, its tiled kernels on."""
-    return {"LLAMA_CPP_LIB_PATH": str(library), TILED_ENV: "1"}
+def fast_environment(library: Path | None) -> dict[str, str]:
+    """What a worker's environment needs to run on a fast build: its library (None: the one llama-cpp-python
+    loads by itself), its tiled kernels on."""
+    return {TILED_ENV: "1"} if library is None else {"LLAMA_CPP_LIB_PATH": str(library), TILED_ENV: "1"}

@@ -25,7 +25,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from . import build  # noqa: F401  (imported for its effect: llama.cpp's batch-dependent kernels off)
+from . import build  # imported for its effect too: llama.cpp's batch-dependent kernels off
 from .interface import ContextShape, EngineError, KVFull
 
 log = logging.getLogger("superfluid.engine")
@@ -73,6 +73,7 @@ class LlamaModel:
         self.path = path
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
+        params.use_extra_bufts = not build.amx_compiled()  # never AMX: see amx_compiled
         self._model = L.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise EngineError(f"llama.cpp could not load {path}: {_load_failure(path)}")
