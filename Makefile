@@ -123,13 +123,13 @@ $(AGENT_STAMP): | $(STAMP) system-packages
 # The browser tests drive Debian's chromium with Playwright (no browser download); the monitor's
 # smoke test runs `superfluid serve` on tmux's pseudo-terminal;
 # the PostgreSQL store's tests start a cluster of their own: Debian's postgresql (initdb off PATH);
-# npm installs the coding agents
-SYSTEM_PACKAGES := chromium tmux postgresql npm systemd
+# npm installs the coding agents; several daemons are tested behind Debian's haproxy
+SYSTEM_PACKAGES := chromium tmux postgresql npm systemd haproxy
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || \
 		ls /usr/lib/$$p/*/bin/initdb >/dev/null 2>&1 || echo $$p; done); \
 	[ -z "$$missing" ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
-		{ echo "make test needs Debian's $$missing for the browser, terminal, PostgreSQL and service-unit tests: apt-get install $$missing"; exit 1; }
+		{ echo "make test needs Debian's $$missing for the browser, terminal, PostgreSQL, service-unit and load-balancer tests: apt-get install $$missing"; exit 1; }
 
 clean:
 	rm -rf $(VENV)

@@ -4,7 +4,9 @@ A PostgreSQL cluster of the bench's own runs in a temporary directory. Against t
 store, at 8 forced streams through the socket, one daemon up at a time (this machine has 2
 cores): each tick's commit latency (p50 and p99, from the `superfluid_commit_seconds`
 histogram's buckets) and decode tokens/s. Then two daemons on one database with short leases:
-the time from a SIGKILL of the one serving a generating session to the other streaming it.
+the time from a SIGKILL of the one serving a generating session to the other streaming it;
+what forwarding a request to the daemon serving its session adds to its first token; and the
+first token of a long session taken over after a SIGKILL, from the shared park against a prefill.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 from peer import Superfluid, free_port
 from pgcluster import PostgresCluster
@@ -101,10 +104,38 @@ def daemon(root: Path, threads: int, *extra: str) -> Superfluid:
     return Superfluid(root, WINDOW, LANES, "--threads", str(threads), *extra, http=False)
 
 
-def cluster_daemon(root: Path, threads: int, store: str) -> Superfluid:
-    """A daemon on `store` with its --web address (what others send clients to) and short leases."""
-    leases = ("--lease-renew", str(RENEW_S), "--lease-expiry", str(EXPIRY_S))
-    return daemon(root, threads, "--store", store, "--web", f"127.0.0.1:{free_port()}", *leases)
+class ClusterDaemon(Superfluid):
+    """A daemon on `store` with short leases and its --web listener at `web_url` (what other daemons send
+    clients to, and forward to)."""
+
+    def __init__(self, root: Path, threads: int, store: str, *extra: str) -> None:
+        port = free_port()
+        self.web_url = f"http://127.0.0.1:{port}"
+        leases = ("--lease-renew", str(RENEW_S), "--lease-expiry", str(EXPIRY_S))
+        flags = ("--threads", str(threads), "--store", store, "--web", f"127.0.0.1:{port}", *leases, *extra)
+        super().__init__(root, WINDOW, LANES, *flags, http=False)
+
+    def start(self) -> ClusterDaemon:
+        super().start()
+        return self
+
+
+def web_first_token(server: ClusterDaemon, session: int) -> float:
+    """Seconds from sending a one-token /web/stream to `server` to its first frame (read to its end)."""
+    token = (server.socket.parent / "sessions" / "web-token").read_text()
+    headers = {"authorization": f"Bearer {token}", "x-superfluid-csrf": token}
+    body = {"session": session, "max_tokens": 1, "ignore_eos": True, "provisional": True}
+    first = None
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{server.web_url}/web/stream", json=body, headers=headers, timeout=60) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"/web/stream answered {reply.status_code}: {reply.read()!r}")
+        for line in reply.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("the stream ended with no frame")
+    return first
 
 
 def store_round(root: Path, threads: int, store: str | None, tokens: int, tag: str) -> tuple[float, dict[float, float]]:
@@ -124,7 +155,7 @@ def store_round(root: Path, threads: int, store: str | None, tokens: int, tag: s
 def failover(root: Path, threads: int, store: str, taker: Superfluid, trial: int) -> tuple[float, float]:
     """Seconds from a SIGKILL of the daemon serving a generating session to `taker` streaming it,
     and to the last reply naming the dead daemon (what is left is the takeover and its prefill)."""
-    owner = cluster_daemon(root / f"a-{trial}", threads, store).start()
+    owner = ClusterDaemon(root / f"a-{trial}", threads, store).start()
     try:
         with owner.client() as c:
             session = fresh_session(c, f"Tell me a long story about lighthouse keeper {trial}.")
@@ -219,7 +250,7 @@ def store_rows(root: Path, threads: int, pg: PostgresCluster, tokens: int, round
 def failover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Result:
     """The median failover time over `trials` owners killed in turn, one taker up throughout."""
     store = pg.database()
-    taker = cluster_daemon(root / "b", threads, store).start()
+    taker = ClusterDaemon(root / "b", threads, store).start()
     try:
         took, refused = [], []
         for trial in range(trials):
@@ -259,6 +290,114 @@ def cluster_figures(root: Path, threads: int, quick: bool, rounds: int | None = 
         rows = store_rows(root / "cluster", threads, pg, 32 if quick else 128, rounds)
         print(f"cluster: failover, two daemons on one database (--lease-expiry {EXPIRY_S:g})", flush=True)
         rows.append(failover_row(root / "cluster", threads, pg, rounds))
+        print("cluster: forwarding to the daemon serving a session", flush=True)
+        rows += forwarding_rows(root / "forwarding", threads, pg, 30 if quick else 100)
+        print("cluster: a long session taken over, from the shared park and cold", flush=True)
+        rows.append(warm_takeover_row(root / "takeover", threads, pg, rounds))
     finally:
         pg.remove()
     return rows
+
+
+def forwarding_rows(root: Path, threads: int, pg: PostgresCluster, samples: int) -> list[Result]:
+    """First-token time of a one-token generation sent to the daemon serving its session, against the
+    same sent to another daemon that forwards it: the difference at p50 and p99, over `samples` each,
+    interleaved."""
+    store = pg.database()
+    owner = ClusterDaemon(root / "owner", threads, store).start()
+    other = ClusterDaemon(root / "other", threads, store).start()
+    try:
+        with owner.client() as c:
+            session = fresh_session(c, "Name a colour.")
+        direct, forwarded = [], []
+        web_first_token(owner, session)  # the first of each pays one-off costs (a connection, the lease)
+        web_first_token(other, session)
+        for _ in range(samples):
+            direct.append(web_first_token(owner, session))
+            forwarded.append(web_first_token(other, session))
+    finally:
+        other.stop()
+        owner.stop()
+    rows = []
+    for q in (50, 99):
+        added = (float(np.percentile(forwarded, q)) - float(np.percentile(direct, q))) * 1000
+        limit = 5.0 if q == 50 else None
+        detail = (
+            f"first token of a one-token /web/stream at p{q}: {np.percentile(forwarded, q) * 1000:.1f} ms forwarded, "
+            f"{np.percentile(direct, q) * 1000:.1f} ms to the owner, {samples} of each, on loopback"
+        )
+        rows.append(
+            Result(
+                f"forwarding: added first-token time, p{q} (ms)",
+                added,
+                f"<= {limit:g} ms" if limit is not None else "(reported)",
+                limit is None or added <= limit,
+                detail,
+                "ms",
+                rounds={"forwarded s": forwarded, "direct s": direct},
+            )
+        )
+    return rows
+
+
+def takeover_first_token(root: Path, threads: int, store: str, park: str | None, trial: int) -> float:
+    """Seconds to the first token of a long session on the daemon that took it over after its owner's
+    SIGKILL (a second after its prefill), both daemons on `park` (None: no park)."""
+    flags = ("--park-dir", park) if park else ("--no-park",)
+    owner = ClusterDaemon(root / f"owner-{trial}", threads, store, *flags).start()
+    taker = ClusterDaemon(root / f"taker-{trial}", threads, store, *flags).start()
+    try:
+        with owner.client() as c:
+            text = " ".join(f"Line {i} of a long document about lighthouse {trial}." for i in range(140))
+            session = fresh_session(c, text)
+        forced(owner, session, 4, [])
+        time.sleep(1.5)  # a long prompt is parked within a second of its prefill
+        assert owner.proc is not None
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.proc.wait()
+        with taker.client() as c:
+            deadline = time.monotonic() + EXPIRY_S + 30
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                c.send(Request.Generate(session, 4, True))
+                reply = c.receive()
+                if isinstance(reply, Response.Elsewhere):
+                    time.sleep(0.05)
+                    continue
+                first = time.perf_counter() - started
+                while isinstance(reply, Response.Delta):
+                    reply = c.receive()
+                if not isinstance(reply, Response.Generated):
+                    raise RuntimeError(f"the taken-over generation failed: {reply}")
+                return first
+        raise RuntimeError(f"session {session} was not taken over")
+    finally:
+        taker.stop()
+        owner.stop()
+
+
+def warm_takeover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Result:
+    """The first token after a takeover from a shared park over the same without a park (cold)."""
+    warm, cold = [], []
+    for trial in range(trials):
+        warm.append(takeover_first_token(root / "warm", threads, pg.database(), str(root / "park"), trial))
+        cold.append(takeover_first_token(root / "cold", threads, pg.database(), None, trial))
+        print(f"cluster: takeover {trial + 1} of {trials}: first token {warm[-1]:.2f} s warm, {cold[-1]:.2f} s cold")
+    ratios = [w / c for w, c in zip(warm, cold, strict=True)]
+    middle = median_round(ratios)
+    detail = (
+        f"a 1,700-token session taken over after its owner's SIGKILL: {warm[middle]:.2f} s to the first token "
+        f"from the shared park (--park-dir) against {cold[middle]:.2f} s prefilling it (ratios "
+        f"{', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    return Result(
+        "takeover after a SIGKILL: first token from the shared park / cold",
+        ratios[middle],
+        "<= 0.1",
+        ratios[middle] <= 0.1,
+        detail,
+        "x",
+        "a cold prefill",
+        "lower",
+        rounds={"warm s": warm, "cold s": cold, "ratio": ratios},
+    )

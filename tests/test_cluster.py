@@ -4,8 +4,10 @@ and a restart of PostgreSQL under load."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +26,10 @@ from conftest import (
     metric,
     new_session,
     say,
+    web_stream,
 )
+from openai import OpenAI
+from openai.types.responses import Response as OpenAIResponse
 from superfluid_client import Client
 
 from superfluid.client import SocketClient
@@ -39,9 +44,10 @@ PROMPT = "Tell me about the history of lighthouses."
 class ClusterDaemon(WebDaemon):
     """A daemon on `store` with short leases, its session API on --web and the OpenAI routes on --http."""
 
-    def __init__(self, root: Path, store: str) -> None:
+    def __init__(self, root: Path, store: str, *extra: str) -> None:
         timing = ("--lease-renew", str(RENEW_S), "--lease-expiry", str(EXPIRY_S))
-        super().__init__(root, "--store", store, *timing, max_context=2048)
+        super().__init__(root, "--store", store, *timing, *extra, max_context=2048)
+        self.store = store
         port = free_port()
         self.http_url = f"http://127.0.0.1:{port}"
         self.args = [a for a in self.args if a != "--no-http"] + ["--http", f"127.0.0.1:{port}"]
@@ -49,9 +55,9 @@ class ClusterDaemon(WebDaemon):
 
 @pytest.fixture
 def daemons(tmp_path: Path, postgres: PostgresCluster) -> Iterator[list[ClusterDaemon]]:
-    """Three daemons sharing a fresh database."""
+    """Three daemons sharing a fresh database and a park directory."""
     store = postgres.database()
-    procs = [ClusterDaemon(tmp_path / name, store) for name in "abc"]
+    procs = [ClusterDaemon(tmp_path / name, store, "--park-dir", str(tmp_path / "park")) for name in "abc"]
     threads = [threading.Thread(target=proc.start) for proc in procs]
     for thread in threads:
         thread.start()
@@ -105,39 +111,86 @@ def wait_until_served(daemon: WebDaemon, session: int, timeout: float) -> float:
             time.sleep(0.1)
 
 
-def test_a_session_is_served_by_one_daemon_and_clients_are_sent_to_it(daemons: list[ClusterDaemon]) -> None:
+def test_a_session_is_served_by_one_daemon_and_clients_are_sent_to_it(
+    daemons: list[ClusterDaemon], tmp_path: Path
+) -> None:
     a, b, _ = daemons
-    assert a.token == b.token, "daemons on one store share the web token, so a client sent on signs in"
-    client = Client(a.url, a.token)
-    session = client.session()
-    session.user("Name a color.")
-    first = session.generate(8, ignore_eos=True)
-    assert first.tokens == 8
+    c_refuses = ClusterDaemon(tmp_path / "d", a.store, "--no-forward").start()
+    try:
+        assert a.token == b.token, "daemons on one store share the web token, so a client sent on signs in"
+        client = Client(a.url, a.token)
+        session = client.session()
+        session.user("Name a color.")
+        first = session.generate(8, ignore_eos=True)
+        assert first.tokens == 8
 
+        with b.client() as c:
+            refused = c.call(Request.AppendMessage(session.id, 1, "Another."))
+            assert isinstance(refused, Response.Elsewhere) and refused.address == a.url, refused
+            read = c.call(Request.Read(session.id, 0))  # reading needs no lease: any daemon answers it
+            assert isinstance(read, Response.Events) and read.events == events_of(a, session.id)
+            listed = c.call(Request.List())
+            assert isinstance(listed, Response.Sessions) and session.id in listed.ids
+        inspect = {"Inspect": {"session": session.id}}
+        http = httpx.post(f"{c_refuses.url}/web/rpc", json=inspect, headers=c_refuses.headers())
+        assert http.status_code == 409 and http.headers["x-superfluid-session-owner"] == a.url, http.text
+        forwarded = httpx.post(f"{b.url}/web/rpc", json=inspect, headers=b.headers())  # b asks a, and answers
+        assert forwarded.status_code == 200, forwarded.text
+        assert forwarded.json()["Inspection"]["inspection"]["summary"]["id"] == session.id
+
+        followed = Client(c_refuses.url, c_refuses.token)
+        again = followed.get(session.id)  # sent to a by c, and stays with a from then on
+        assert followed.url == a.url
+        again.user("And another.")
+        assert again.generate(4, ignore_eos=True).tokens == 4
+        log = events_of(a, session.id)
+        asked = max(i for i, e in enumerate(log) if isinstance(e.body, EventBody.Message))
+        assert log[asked].body.text == "And another." and isinstance(log[-1].body, EventBody.Generated)
+        chat = chat_body("Name a river.", 12, False)  # a stateless request: whichever daemon gets it answers
+        texts = [httpx.post(f"{d.http_url}/v1/chat/completions", json=chat, timeout=60).json() for d in (a, b)]
+        assert texts[0]["choices"][0]["message"]["content"] == texts[1]["choices"][0]["message"]["content"]
+        assert texts[0]["usage"]["completion_tokens"] == 12
+        a.stop()
+        assert wait_until_served(b, session.id, 5) < 2.0, "a clean stop gives the leases up: another takes them at once"
+    finally:
+        c_refuses.stop()
+
+
+def lanes_active(daemon: ClusterDaemon) -> float:
+    with daemon.client() as c:
+        return metric(c, "superfluid_lanes_active")
+
+
+def test_a_request_for_a_session_served_elsewhere_is_answered_by_its_owner(daemons: list[ClusterDaemon]) -> None:
+    a, b, _ = daemons
+    with a.client() as c:
+        session = started_session(c)  # leased to a
+    append = {"AppendMessage": {"session": session, "role": 1, "text": "Go on."}}
+    rpc = httpx.post(f"{b.url}/web/rpc", json=append, headers=b.headers())
+    assert rpc.status_code == 200 and "Committed" in rpc.json(), rpc.text
+    hop = httpx.post(f"{b.url}/web/rpc", json=append, headers={**b.headers(), "x-superfluid-forwarded": "x"})
+    assert hop.status_code == 409, "a request another daemon sent on is not sent on again: one hop at most"
+    body = {"session": session, "max_tokens": 6, "ignore_eos": True}
+    frames = web_stream(b, body)
+    assert frames[-1]["done"]["tokens_generated"] == 6 and frames[-1]["done"]["finish"] == FINISH_LENGTH
+    committed = [f["committed"]["event_id"] for f in frames if "committed" in f]
+    log = events_of(a, session)
+    assert committed and committed[-1] == log[-1].event_id, "b streamed what a committed"
     with b.client() as c:
-        refused = c.call(Request.AppendMessage(session.id, 1, "Another."))
-        assert isinstance(refused, Response.Elsewhere) and refused.address == a.url, refused
-        read = c.call(Request.Read(session.id, 0))  # reading needs no lease: any daemon answers it
-        assert isinstance(read, Response.Events) and read.events == events_of(a, session.id)
-        listed = c.call(Request.List())
-        assert isinstance(listed, Response.Sessions) and session.id in listed.ids
-    http = httpx.post(f"{b.url}/web/rpc", json={"Inspect": {"session": session.id}}, headers=b.headers())
-    assert http.status_code == 409 and http.headers["x-superfluid-session-owner"] == a.url, http.text
+        assert isinstance(c.call(Request.Inspect(session)), Response.Elsewhere), "a still serves it"
 
-    followed = Client(b.url, b.token)
-    again = followed.get(session.id)  # sent to a by b, and stays with a from then on
-    assert followed.url == a.url
-    again.user("And another.")
-    assert again.generate(4, ignore_eos=True).tokens == 4
-    log = events_of(a, session.id)
-    asked = max(i for i, e in enumerate(log) if isinstance(e.body, EventBody.Message))
-    assert log[asked].body.text == "And another." and isinstance(log[-1].body, EventBody.Generated)
-    chat = chat_body("Name a river.", 12, False)  # a stateless request: whichever daemon gets it answers
-    texts = [httpx.post(f"{d.http_url}/v1/chat/completions", json=chat, timeout=60).json() for d in (a, b)]
-    assert texts[0]["choices"][0]["message"]["content"] == texts[1]["choices"][0]["message"]["content"]
-    assert texts[0]["usage"]["completion_tokens"] == 12
-    a.stop()
-    assert wait_until_served(b, session.id, 5) < 2.0, "a clean stop gives the leases up: another takes them at once"
+    # a client of b that hangs up frees a's lane
+    long = {"session": session, "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{b.url}/web/stream", json=long, headers=b.headers(), timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        while not next(lines).startswith('data: {"committed"'):
+            pass
+        assert lanes_active(a) == 1
+    hung_up = time.monotonic()
+    while lanes_active(a) > 0:
+        assert time.monotonic() - hung_up < 1.0, "the owner's lane is freed within a second of the hang-up"
+        time.sleep(0.05)
 
 
 def test_a_killed_daemons_sessions_carry_on_elsewhere_as_the_uncut_runs(daemons: list[ClusterDaemon]) -> None:
@@ -291,3 +344,138 @@ def test_postgresql_restarted_under_load_loses_nothing(tmp_path: Path) -> None:
             daemon.stop()
     finally:
         cluster.remove()
+
+
+def parked_session(daemon: ClusterDaemon) -> tuple[int, int]:
+    """A session whose long prompt `daemon` prefilled and has parked (a second later), and its length."""
+    with daemon.client() as c:
+        session = new_session(c, GREEDY)
+        say(c, session, " ".join(f"Line {i} of a long document about lighthouses." for i in range(60)))
+        forced(c, session, 4)
+        inspection = c.call(Request.Inspect(session)).inspection
+    time.sleep(1.0)  # long prompts are parked write-behind, within a second of their prefill
+    return session, len(inspection.tokens)
+
+
+def test_a_session_taken_over_after_a_sigkill_resumes_warm_from_the_shared_park(
+    daemons: list[ClusterDaemon], tmp_path: Path
+) -> None:
+    a, b, c = daemons
+    session, prompt = parked_session(a)
+    a.kill()
+    wait_until_served(b, session, EXPIRY_S + 5)
+    with b.client() as client:
+        _, summary = forced(client, session, 8)
+    assert summary.warm_prefix >= 0.9 * prompt, (summary.warm_prefix, prompt)
+
+    # a parked file cut short is refused, and the session prefilled: nothing is lost
+    damaged, _ = parked_session(b)
+    for path in (tmp_path / "park").rglob("*.park"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = events_of(b, damaged)
+    b.kill()
+    wait_until_served(c, damaged, EXPIRY_S + 5)
+    with c.client() as client:
+        _, summary = forced(client, damaged, 8)
+        assert metric(client, "superfluid_park_refused_total") >= 1
+    assert summary.warm_prefix == 0 and summary.tokens_generated == 8 and summary.finish == FINISH_LENGTH
+    assert events_of(c, damaged)[: len(before)] == before
+
+
+HAPROXY_CONFIG = Path(__file__).resolve().parent.parent / "docs" / "deployment" / "haproxy.cfg"
+
+
+# a reply constrained to one of two words: each turn ends normally on any machine, so the next one
+# continues its session (a turn cut short is rendered anew)
+CITY = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def response_chain(url: str, turns: int) -> list[OpenAIResponse]:
+    """Greedy responses that end their turns, each continuing the one before, sent to `url`."""
+    oa = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    replies: list[OpenAIResponse] = []
+    for turn in range(turns):
+        replies.append(
+            oa.responses.create(
+                model="smollm2",
+                input=f"Question {turn}: the capital of France or of Norway? Answer in JSON.",
+                previous_response_id=replies[-1].id if replies else None,
+                text={"format": CITY},
+                max_output_tokens=32,
+                temperature=0,
+            )
+        )
+        assert replies[-1].status == "completed", replies[-1]
+    return replies
+
+
+def test_three_daemons_behind_haproxy_need_no_stickiness(daemons: list[ClusterDaemon]) -> None:
+    a, _, c = daemons
+    port = free_port()
+    env = {**os.environ, "SUPERFLUID_BIND": f"127.0.0.1:{port}"}
+    env |= {f"SUPERFLUID_{name}": d.http_url.removeprefix("http://") for name, d in zip("ABC", daemons, strict=True)}
+    haproxy = subprocess.Popen(
+        ["haproxy", "-db", "-f", str(HAPROXY_CONFIG)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers(f"{url}/health"):
+            assert haproxy.poll() is None and time.monotonic() < deadline, "haproxy did not come up"
+            time.sleep(0.1)
+
+        # a chain of responses whose turns land on every daemon in turn: each is sent on to the daemon
+        # serving the chain's session, so it runs as on one daemon, and warm
+        through = response_chain(url, 10)
+        alone = response_chain(a.http_url, 10)
+        assert [r.output_text for r in through] == [r.output_text for r in alone]
+        for earlier, later in itertools.pairwise(through):
+            assert later.usage.input_tokens_details.cached_tokens >= earlier.usage.total_tokens - 1
+
+        # the session API through it, on a session one daemon serves
+        with a.client() as client:
+            session = started_session(client)
+        headers = a.headers()
+        for _ in range(3):  # round robin: at least two of them land elsewhere than a
+            frames = web_stream(_Through(url, headers), {"session": session, "max_tokens": 3, "ignore_eos": True})
+            assert frames[-1]["done"]["tokens_generated"] == 3
+        assert len([e for e in events_of(a, session) if isinstance(e.body, EventBody.Generated)]) >= 3
+
+        # a draining daemon leaves the rotation: every request still gets an answer
+        assert c.proc is not None
+        c.proc.send_signal(signal.SIGUSR1)
+        chat = chat_body("Name a river.", 4, False)
+        for _ in range(9):
+            reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+            assert reply.status_code == 200, reply.text
+        assert c.proc.wait(30) == 0, "the drained daemon stopped cleanly"
+    finally:
+        haproxy.terminate()
+        haproxy.wait(10)
+
+
+class _Through:
+    """What `web_stream` needs of a daemon, for the load balancer in front of the daemons."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url = url
+        self._headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

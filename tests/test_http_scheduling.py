@@ -76,7 +76,7 @@ def test_a_chat_is_answered_before_any_agent_finishes_its_prefill(
     api: HttpDaemon, agents_qos: str | None, chat_qos: str | None
 ) -> None:
     seed = 0 if agents_qos else 100  # fresh prompts each run: nothing cached from the previous one
-    agents = [Stream(api, _document(seed + i, 1400), agents_qos, 16) for i in range(8)]
+    agents = [Stream(api, _document(seed + i, 800), agents_qos, 16) for i in range(8)]
     for agent in agents:
         agent.start()
     deadline = time.monotonic() + 30

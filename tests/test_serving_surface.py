@@ -293,6 +293,8 @@ def test_drain_finishes_what_runs_refuses_the_rest_and_exits_0(tmp_path: Path) -
     refused = httpx.post(f"{proc.url}/v1/chat/completions", json=chat_body("Hi.", 2, False), timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert int(refused.headers["retry-after"]) >= 1
+    health = httpx.get(f"{proc.url}/health", timeout=10)  # a load balancer takes it out of rotation
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
     for asker in askers:
         asker.join(120)
     assert proc.proc.wait(60) == 0

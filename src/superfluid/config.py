@@ -86,6 +86,7 @@ class ServeConfig:
     tick_ms: float = 50.0
     host_cache_mb: int = field(default_factory=lambda: default_host_cache_mb())
     park: bool | None = None  # KV states on disk under <sessions>/park; None: where the disk suits
+    park_dir: Path | None = None  # where parked states go (shared by the daemons on a store); None: <sessions>/park
     park_budget_gb: float = 20.0  # 0: unbounded
     http_default_qos: int = 2  # agent
     http_qos_header: bool = True
@@ -107,6 +108,7 @@ class ServeConfig:
     tui: bool = False  # the terminal monitor (--tui; on by default when stdout is a terminal)
     store: str | None = None  # a PostgreSQL URL for the session log; None: SQLite under `sessions`
     advertise: str | None = None  # where clients reach this daemon's --web, told to those sent elsewhere
+    forward: bool = True  # a request for a session another daemon serves is sent on to it (with --store)
     lease_renew: float = 2.0  # seconds between renewals of the session leases (with --store)
     lease_expiry: float = 10.0  # seconds a lease lasts unrenewed
     speculate: str = "auto"  # off, auto or prompt-lookup

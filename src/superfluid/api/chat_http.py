@@ -56,6 +56,15 @@ def problems(errors: Iterable[Mapping[str, Any]], skip: int = 0) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[skip:]) or 'body'}: {e.get('msg')}" for e in errors)
 
 
+FORWARD_STATE = "superfluid_forward"  # in a request's scope state: the listener may send it on to another daemon
+
+
+def may_forward(request: Request) -> bool:
+    """Whether a request for a session another daemon serves may be sent on to that daemon (the HTTP
+    listener says so for the routes it forwards): raising SessionElsewhere hands it to the listener."""
+    return bool(request.scope.get("state", {}).get(FORWARD_STATE))
+
+
 def owner(request: Request) -> str | None:
     """Who stores what a request stores: its key's name under a key policy (each key sees only its
     own), None otherwise."""

@@ -33,13 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.daemon import Daemon
-from ..core.errors import REFUSED
+from ..core.errors import REFUSED, SessionElsewhere
 from ..core.verbs.base import TURN_ENDED
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
-from ..store.responses import ResponseRecords
 from .chat import ChatError, ChatRequest, ChatRun, Outcome
-from .chat_http import HttpPolicy, answer, collect, owner, runtime_for, scheduling
+from .chat_http import HttpPolicy, answer, collect, may_forward, owner, runtime_for, scheduling
 from .openai import GONE, SampledBody, chat_messages, error
 from .response_items import Event, Output, appendable, chat_turns, input_items, new_id, qualified
 
@@ -198,7 +197,7 @@ class Responses:
     def __init__(self, daemon: Daemon, policy: HttpPolicy) -> None:
         self.daemon = daemon
         self.policy = policy
-        self.records = ResponseRecords(daemon.store.directory / "responses")
+        self.records = daemon.responses
         self._purges: set[asyncio.Task[None]] = set()
 
     async def record(self, response_id: str, http: Request) -> dict[str, Any] | None:
@@ -236,7 +235,7 @@ class Responses:
             "template": variables,
         }
         history = [*previous["history"], *previous["input"], *previous["response"]["output"]] if previous else []
-        fork = self._fork_point(previous, head, items)
+        fork = self._fork_point(previous, head, items, may_forward(http))
         if fork is not None:
             turns = chat_turns(items)
         else:
@@ -263,14 +262,20 @@ class Responses:
         return Turn(new_id("resp"), int(time.time()), name, owner(http), body, items, history, head, run)
 
     def _fork_point(
-        self, previous: dict[str, Any] | None, head: dict[str, Any], items: list[dict[str, Any]]
+        self, previous: dict[str, Any] | None, head: dict[str, Any], items: list[dict[str, Any]], forward: bool
     ) -> tuple[int, int] | None:
-        """Where to continue the previous response's session, when its prompt can be kept as it is."""
+        """Where to continue the previous response's session, when its prompt can be kept as it is. A
+        session another daemon of the store serves raises SessionElsewhere when the request may be
+        forwarded there (`forward`), where it continues warm; otherwise it is rendered anew here."""
         if previous is None or previous["head"] != head or not previous["turn_ended"] or not appendable(items):
             return None
         try:
             state = self.daemon.store.get(previous["session"])
-        except REFUSED:  # served by another daemon of the store, or the store away: render it anew
+        except SessionElsewhere as e:
+            if forward and e.api:
+                raise
+            return None
+        except REFUSED:  # the store away: render it anew
             return None
         if state is None or state.purged:
             return None

@@ -97,6 +97,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         raise
     imports.join()
     from ..api.chat_http import HttpPolicy
+    from ..transports.forward import Forwarder
     from ..transports.http import ApiServer
     from ..transports.web import WebServer, mint_token
 
@@ -107,8 +108,10 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     # daemons sharing a store share one token, so that a client sent to another one is let in
     shared_token = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
     web_token = mint_token(token_path, shared_token)  # for --web, and the UI on a loopback --http
+    # a request for a session another daemon serves is sent on to it
+    forwarder = Forwarder(daemon_id(config.sessions)) if store.leases is not None and config.forward else None
     if config.web:  # before the socket: a session leased from here on names this daemon's address
-        web_server = WebServer(daemon, config.web, web_token, config.web_origins, shared_token is not None)
+        web_server = WebServer(daemon, config.web, web_token, config.web_origins, shared_token is not None, forwarder)
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
             store.leases.address = reachable(url)
@@ -131,8 +134,13 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
             config.rate_limit,
             config.cors_origins,
             web_token,
+            forwarder,
         )
         api_url = await api_server.start()
+        if store.leases is not None:  # where the other daemons forward HTTP requests for this one's sessions
+            store.leases.api = reachable(api_url)
+            if web_server is None and api_server.web is not None and not config.advertise:
+                store.leases.address = reachable(api_url)  # the session API is on this port too
     # every listener is up before the first line: whoever waits for it can connect at once
     heading = (
         f"superfluid {__version__}: serving {default.id} ({default.model.path}) on {default.kernels} kernels"
@@ -188,6 +196,8 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         if api_server is not None:
             await api_server.stop()
         await socket_server.stop()
+        if forwarder is not None:
+            await forwarder.close()
         daemon.stop()
         store.close()
     return 0

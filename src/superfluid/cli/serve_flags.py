@@ -333,6 +333,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "another daemon for a session this one serves (default: the --web address)",
     )
     server.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="with --store: answer a request for a session another daemon serves with 409 and that daemon's "
+        "address, instead of sending it on to that daemon and streaming its answer back",
+    )
+    server.add_argument(
         "--lease-renew",
         type=_number(0, above=True),
         default=2.0,
@@ -521,6 +527,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="keep idle and evicted KV states on disk under <sessions>/park, so a session comes back warm "
         "after a restart or an eviction (default: on where that is a local disk with 2 GiB free, within "
         "half of the free space)",
+    )
+    generation.add_argument(
+        "--park-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="park KV states in DIR instead of <sessions>/park (implies --park): a directory the daemons on one "
+        "--store share (NFS between machines), so a session taken over from a killed daemon resumes warm",
     )
     generation.add_argument(
         "--park-budget-gb",
@@ -721,7 +735,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         http_allow_batch_invariant=args.http_allow_batch_invariant,
         worker_process=args.worker_process,
         kernels=args.kernels,
-        park=args.park,
+        park=True if args.park_dir is not None and args.park is None else args.park,
+        park_dir=args.park_dir,
         park_budget_gb=args.park_budget_gb,
         max_tokens=args.max_tokens,
         pin_budget_pct=args.pin_budget_pct,
@@ -736,6 +751,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         tui=sys.stdout.isatty() if args.tui is None else args.tui,
         store=args.store,
         advertise=args.advertise,
+        forward=not args.no_forward,
         lease_renew=args.lease_renew,
         lease_expiry=args.lease_expiry,
         speculate=args.speculate,

@@ -27,6 +27,8 @@ from ..protocol.schema import (
 from ..store.batches import BatchRecords
 from ..store.files import FileStore
 from ..store.media import MediaStore
+from ..store.postgres import PostgresLog
+from ..store.responses import ResponseRecords, ResponseStore, SharedResponseRecords
 from ..store.sessions import SessionStore
 from .bus import Bus
 from .cluster import RemoteCommits
@@ -61,6 +63,12 @@ class Daemon(SessionVerbs, GenerationVerbs, ToolVerbs, MediaVerbs, AdminVerbs):
         # what the HTTP APIs keep beside the sessions (/v1/files, /v1/batches), reached through the daemon
         self.files = FileStore(store.directory / "files")
         self.batch_records = BatchRecords(store.directory / "batches")
+        # shared by the daemons of a PostgreSQL store, so that any of them continues a response chain
+        self.responses: ResponseStore = (
+            SharedResponseRecords(store.log.run)
+            if isinstance(store.log, PostgresLog)
+            else ResponseRecords(store.directory / "responses")
+        )
         self.running: dict[int, GenerationRun] = {}
         self.generations = Generations(store, self._release, metrics)
         self.remote = RemoteCommits(store, self.bus)

@@ -168,7 +168,8 @@ def open_park(config: ServeConfig, identity: bytes) -> Park | None:
     """The park of one model's context, as `--park` asks (by default where the disk suits it)."""
     if config.park is False:
         return None
-    directory = config.sessions / "park" / identity.hex()
+    shared = config.park_dir is not None
+    directory = (config.park_dir or config.sessions / "park") / identity.hex()
     budget = int(config.park_budget_gb * (1 << 30))
     if config.park is None:
         budget, why = default_budget(directory, budget)
@@ -176,7 +177,7 @@ def open_park(config: ServeConfig, identity: bytes) -> Park | None:
             log.warning("KV states are not parked on disk: %s", why)
             return None
         log.info("KV states are parked in %s, %s", directory, why)
-    return Park(directory, identity, budget)
+    return Park(directory, identity, budget, shared=shared)
 
 
 def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:

@@ -16,6 +16,13 @@ states waiting for the writer past `PENDING_LIMIT` bytes is passed over (and cou
 than queued, so a disk slower than the evictions costs cache, not memory. Past the byte budget the least
 recently used files go first. Like the host tier, the park is a cache: the log is the
 truth, and a session with nothing parked is prefilled.
+
+A park may be shared by the daemons of one store (`--park-dir`), so that a session taken over
+from a killed daemon resumes from what that daemon parked. Each daemon writes under temporary
+names of its own (host and process), and on a lookup that finds nothing it looks for files
+the others wrote since it last looked (at most once every `REFRESH_S`); a temporary file is
+removed only once it is older than any write takes, and a file another daemon removed is
+forgotten when it cannot be read.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import logging
 import os
 import queue
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -46,6 +54,9 @@ REMOTE_FILESYSTEMS = frozenset(
 )
 # the default parks only with this much free disk, and never fills more than half of what is free
 MIN_FREE_BYTES = 2 << 30
+
+STALE_TEMPORARY_S = 600.0  # a temporary file this old was left by a crash, not being written
+REFRESH_S = 1.0  # a shared park looks for the other daemons' new files at most this often
 
 MAGIC = b"SFPARK1\n"
 SUFFIX = ".park"
@@ -120,10 +131,12 @@ PENDING_LIMIT = 64 << 20
 class Park:
     """Parked states of one model's context, bounded by `budget` bytes (0: unbounded)."""
 
-    def __init__(self, directory: Path, fingerprint: bytes, budget: int) -> None:
+    def __init__(self, directory: Path, fingerprint: bytes, budget: int, shared: bool = False) -> None:
         self.directory = directory
         self.fingerprint = fingerprint
         self.budget = budget
+        self.shared = shared  # other daemons write here too
+        self._looked = 0.0  # when a shared park last looked for their files
         self.entries: dict[str, ParkedEntry] = {}
         self.parks = self.resumes = self.refused = 0
         self.passed_over = 0  # states not parked because the writer was PENDING_LIMIT behind
@@ -155,8 +168,11 @@ class Park:
     def _index(self) -> None:
         for path in self.directory.iterdir():
             if path.suffix != SUFFIX:
-                path.unlink(missing_ok=True)  # a temporary file a crash interrupted
+                self._drop_temporary(path)
                 continue
+            with self._lock:
+                if path.name in self.entries:
+                    continue
             tokens = self._header(path)
             if tokens is None:
                 self._refuse(path, "its header does not match this model and context")
@@ -164,6 +180,26 @@ class Park:
             stat = path.stat()
             with self._lock:
                 self.entries.setdefault(path.name, ParkedEntry(path, tokens, stat.st_size, stat.st_mtime))
+
+    def _drop_temporary(self, path: Path) -> None:
+        """Remove a temporary file a crash interrupted: any, in a park of one daemon's own; in a shared one,
+        only one old enough that no daemon is still writing it."""
+        try:
+            if not self.shared or time.time() - path.stat().st_mtime > STALE_TEMPORARY_S:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _refresh(self) -> None:
+        """In a shared park, index what the other daemons parked since the last look (rate-limited)."""
+        now = time.monotonic()
+        if not self.shared or now - self._looked < REFRESH_S:
+            return
+        self._looked = now
+        try:
+            self._index()
+        except OSError as e:
+            log.warning("could not look for new parked states in %s: %s", self.directory, e)
 
     def _header(self, path: Path) -> np.ndarray | None:
         try:
@@ -236,7 +272,7 @@ class Park:
     def _write(self, tokens: np.ndarray, state: builtins.bytes) -> None:
         name = _name(tokens)
         path = self.directory / name
-        temporary = self.directory / f".{name}.{os.getpid()}.tmp"
+        temporary = self.directory / f".{name}.{socket.gethostname()}.{os.getpid()}.tmp"
         digest = hashlib.blake2b(state, digest_size=16).digest()
         with open(temporary, "wb") as f:
             f.write(MAGIC + self.fingerprint + _COUNT.pack(len(tokens)) + tokens.astype("<i4").tobytes())
@@ -272,8 +308,15 @@ class Park:
 
     def lookup(self, tokens: np.ndarray, limit: int) -> tuple[ParkedEntry, int] | None:
         """The parked entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
-        best: tuple[ParkedEntry, int] | None = None
         self._indexed.wait()
+        found = self._best(tokens, limit)
+        if self.shared and (found is None or found[1] < limit):
+            self._refresh()
+            found = self._best(tokens, limit)
+        return found
+
+    def _best(self, tokens: np.ndarray, limit: int) -> tuple[ParkedEntry, int] | None:
+        best: tuple[ParkedEntry, int] | None = None
         with self._lock:
             for entry in self.entries.values():
                 length = min(common_prefix(tokens, entry.tokens), limit)

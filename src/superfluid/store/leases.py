@@ -2,7 +2,8 @@
 
 A session is served by one daemon at a time: the one holding its row in `leases` (owner:
 this run of the daemon; daemon: the daemon across its runs, an id kept under --sessions;
-the address clients reach it at; a fencing epoch; an expiry on the server's clock). A
+the address clients of the session API reach it at, and that of its HTTP API; a fencing
+epoch; an expiry on the server's clock). A
 daemon takes a session's lease when it first serves it, renews all of its leases in the
 background, and gives them up at a clean stop. A lease that ran out (its daemon died,
 paused or lost the network) is taken by the next daemon asked for the session, which
@@ -40,16 +41,17 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_at TIMESTAMPTZ NOT NULL
 );
 CREATE INDEX IF NOT EXISTS leases_owner ON leases (owner);
+ALTER TABLE leases ADD COLUMN IF NOT EXISTS api TEXT NOT NULL DEFAULT '';
 """
 
 # Take a session: a new row, or the row of a lease that ran out (or of an earlier run of
 # this daemon, dead since), with the epoch bumped; nothing otherwise.
 _TAKE = """
-INSERT INTO leases AS l (session, owner, daemon, address, epoch, expires_at)
-VALUES (%(session)s, %(owner)s, %(daemon)s, %(address)s, 1,
+INSERT INTO leases AS l (session, owner, daemon, address, api, epoch, expires_at)
+VALUES (%(session)s, %(owner)s, %(daemon)s, %(address)s, %(api)s, 1,
         clock_timestamp() + make_interval(secs => %(expiry)s))
 ON CONFLICT (session) DO UPDATE
-    SET owner = EXCLUDED.owner, daemon = EXCLUDED.daemon, address = EXCLUDED.address,
+    SET owner = EXCLUDED.owner, daemon = EXCLUDED.daemon, address = EXCLUDED.address, api = EXCLUDED.api,
         expires_at = EXCLUDED.expires_at,
         epoch = CASE WHEN l.owner = EXCLUDED.owner THEN l.epoch ELSE l.epoch + 1 END
     WHERE l.owner = EXCLUDED.owner OR l.daemon = EXCLUDED.daemon OR l.expires_at < clock_timestamp()
@@ -57,22 +59,25 @@ RETURNING epoch
 """
 # Rows are locked in session order, by renewals and appends alike, so that they never deadlock.
 _RENEW = """
-UPDATE leases SET expires_at = clock_timestamp() + make_interval(secs => %(expiry)s), address = %(address)s
+UPDATE leases SET expires_at = clock_timestamp() + make_interval(secs => %(expiry)s), address = %(address)s,
+    api = %(api)s
 WHERE session IN (SELECT session FROM leases WHERE owner = %(owner)s ORDER BY session FOR UPDATE)
 RETURNING session, epoch
 """
 
 
 class SessionElsewhere(RuntimeError):
-    """The session is leased to another live daemon, which clients reach at `address`."""
+    """The session is leased to another live daemon, which clients reach at `address` (its HTTP API
+    at `api`, '' when it has none)."""
 
-    def __init__(self, session: int, address: str) -> None:
+    def __init__(self, session: int, address: str, api: str = "") -> None:
         where = f"at {address}" if address else "that advertises no address"
         if address.startswith("unix:"):
             where = f"through its socket {address} (it serves no --web, or gives no --advertise)"
         super().__init__(f"session {session} is served by another daemon, {where}; send its requests there")
         self.session = session
         self.address = address
+        self.api = api
 
 
 class LeaseLost(RuntimeError):
@@ -114,12 +119,14 @@ class Leases:
         self, run: Callable[[Callable[[Any], Any]], Any], address: str, timing: LeaseTiming, daemon: str
     ) -> None:
         """`run(work)` calls `work(db)` on a pooled connection (retried while the server is away);
-        `address` is what clients sent here by another daemon are told; `daemon` names this daemon
-        across its runs."""
+        `address` is what clients sent here by another daemon are told (and `api`, set once the HTTP
+        listener is up, where other daemons forward HTTP requests); `daemon` names this daemon across
+        its runs."""
         self._run = run
         self.owner = uuid.uuid4().hex
         self.daemon = daemon
         self.address = address
+        self.api = ""
         self.timing = timing
         self.held: dict[int, int] = {}  # session -> the epoch this daemon took it at
         self._lock = threading.Lock()
@@ -142,13 +149,13 @@ class Leases:
             return False
 
         def work(db: Any) -> tuple[Any, Any]:
-            query = "SELECT owner, address, daemon FROM leases WHERE session = %s"
+            query = "SELECT owner, address, daemon, api FROM leases WHERE session = %s"
             before = db.execute(query, (session,)).fetchone()
             return db.execute(_TAKE, self._params(session)).fetchone(), before
 
         taken, before = self._run(work)
         if taken is None:
-            raise SessionElsewhere(session, before[1] if before else "")
+            raise SessionElsewhere(session, before[1], before[3]) if before else SessionElsewhere(session, "")
         if before is not None and before[2] != self.daemon:
             self.takeovers += 1
             log.info("took session %d over from the daemon at %s: its lease ran out", session, before[1] or "?")
@@ -202,6 +209,7 @@ class Leases:
             "owner": self.owner,
             "daemon": self.daemon,
             "address": self.address,
+            "api": self.api,
             "expiry": self.timing.expiry_s,
         }
 
@@ -215,7 +223,7 @@ class Leases:
         """Extend every lease this daemon holds; those it no longer holds are reported as lost."""
         with self._lock:
             judged = dict(self.held)  # what is taken while the renewal runs is not judged by it
-        params = {"expiry": self.timing.expiry_s, "owner": self.owner, "address": self.address}
+        params = {"expiry": self.timing.expiry_s, "owner": self.owner, "address": self.address, "api": self.api}
         rows = self._run(lambda db: db.execute(_RENEW, params).fetchall())
         found = {int(session): int(epoch) for session, epoch in rows}
         with self._lock:

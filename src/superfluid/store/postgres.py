@@ -30,6 +30,7 @@ from ..protocol.schema import EventBody, EventMsg
 from .errors import StoreError
 from .leases import LEASES_SCHEMA, Leases, LeaseTiming
 from .log import Parent, Pin, Record, Rerooted, event_row, lineage_filter, move_lineage, sequenced
+from .responses import RESPONSES_SCHEMA
 
 logger = logging.getLogger("superfluid.store")
 SCHEMA_VERSION = 2  # 2: leases
@@ -67,6 +68,7 @@ CREATE INDEX IF NOT EXISTS lineage_parent ON lineage (parent);
 CREATE SEQUENCE IF NOT EXISTS session_ids;
 """
     + LEASES_SCHEMA
+    + RESPONSES_SCHEMA
 )
 _LINEAGE_SQL = {
     Parent: "INSERT INTO lineage (session, parent) VALUES (%(session)s, %(parent)s) "

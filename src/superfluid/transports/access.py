@@ -53,7 +53,8 @@ POLICY_FIELDS = {
     "admin",
 }
 NAME = re.compile(r"[A-Za-z0-9._-]+")
-OPEN_PATHS = {"/health"}  # never keyed, metered or drained
+HEALTH_PATH = "/health"
+OPEN_PATHS = {HEALTH_PATH}  # never keyed or metered; health says 503 while draining
 WEB_PREFIX = "/web"  # the browser UI's routes on a loopback listener: the web token guards them
 UNMETERED_PATHS = {"/health", "/metrics", "/v1/metrics"}  # keyed, but outside rate limits and slots
 STATE_KEY = "superfluid_key"  # where the gate leaves a request's key, in the ASGI scope's state
@@ -222,6 +223,13 @@ class AccessGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
+        if scope["type"] == "http" and path == HEALTH_PATH and self.draining:
+            # a load balancer's health check takes a draining daemon out of rotation
+            payload = b'{"status":"draining"}'
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": payload})
+            return
         if scope["type"] != "http" or path in OPEN_PATHS or path == WEB_PREFIX or path.startswith(WEB_PREFIX + "/"):
             await self.app(scope, receive, send)
             return

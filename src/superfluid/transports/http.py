@@ -39,16 +39,21 @@ from ..api import (
     responses,
     status,
 )
-from ..api.chat_http import HttpPolicy, problems
+from ..api.chat_http import FORWARD_STATE, HttpPolicy, problems
 from ..core.daemon import Daemon
+from ..core.errors import SessionElsewhere
 from .access import AccessGate, Key
 from .addresses import split_address
 from .cors import Cors, CorsOrigins
+from .forward import Forwarder, forwarded
 from .listener import HttpListener
 from .web import create_app as create_web_app
 from .web import own_origins
 
 BODY_LIMIT = 100 << 20
+# routes that may need a session another daemon of the store serves (a chain of responses), and
+# are sent on to it; /web/rpc and /web/stream forward on their own (web.py)
+FORWARDED_ROUTES = frozenset({"/v1/responses"})
 
 
 def _loopback_name(host: str) -> bool:
@@ -77,9 +82,10 @@ def create_app(
     cors: CorsOrigins | None = None,
     web: FastAPI | None = None,
     page: str = "/web/",
+    forwarder: Forwarder | None = None,
 ) -> FastAPI:
     """The routes of the main port; with `web`, the browser UI's too, and a browser asking for `/`
-    sent to `page`."""
+    sent to `page`; with a `forwarder`, a request for a session another daemon serves answered by it."""
     app = FastAPI(title="superfluid", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -99,7 +105,14 @@ def create_app(
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > BODY_LIMIT:
             return refuse(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
-        return await call_next(request)
+        if forwarder is None or request.url.path not in FORWARDED_ROUTES or forwarded(request):
+            return await call_next(request)
+        body = await request.body()  # kept for the owner: the route reads it again from here
+        request.scope.setdefault("state", {})[FORWARD_STATE] = True
+        try:
+            return await call_next(request)
+        except SessionElsewhere as e:  # raised before the route answered anything
+            return await forwarder.send(request, body, e.api)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -153,17 +166,20 @@ class ApiServer(HttpListener):
         rate_limit_rpm: int = 0,
         cors_origins: list[str] | None = None,
         web_token: str | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         host, port = split_address(address)
         loopback = _loopback_name(host)
         cors = CorsOrigins(cors_origins or [])
         keyed = bool(api_key or keys)
         # the UI on this port: loopback only, as `--web`; signed in at once where the API takes no key
-        self.web = create_web_app(daemon, web_token, []) if web_token and loopback else None
+        self.web = create_web_app(daemon, web_token, [], forwarder) if web_token and loopback else None
         self.page = f"/web/#token={web_token}" if web_token else "/web/"
         # batches start no new request while the listener drains
         self.batches = batches.BatchRunner(daemon, lambda: self.gate.draining)
-        app = create_app(daemon, loopback, policy, self.batches, cors, self.web, "/web/" if keyed else self.page)
+        app = create_app(
+            daemon, loopback, policy, self.batches, cors, self.web, "/web/" if keyed else self.page, forwarder
+        )
         self.gate = AccessGate(app, api_key, keys or [], rate_limit_rpm)
         daemon.metrics.watch_gate(self.gate)
         # outside the keys: a preflight carries none, and a page must be able to read a 401

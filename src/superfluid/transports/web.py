@@ -46,6 +46,7 @@ from ..protocol.schema import Response as Reply
 from ..protocol.types import U32, U64, Struct
 from .addresses import LOOPBACK_HOSTS, parse_web_address
 from .connection import Connection
+from .forward import Forwarder, forwarded
 from .listener import HttpListener
 from .ratelimit import TokenBucket, retry_after_header, retry_after_ms
 
@@ -192,8 +193,9 @@ def own_origins(port: int) -> list[str]:
     return [f"http://{host}:{port}" for host in LOOPBACK_HOSTS]
 
 
-def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
-    """The /web/* routes over one daemon."""
+def create_app(daemon: Daemon, token: str, origins: list[str], forwarder: Forwarder | None = None) -> FastAPI:
+    """The /web/* routes over one daemon; with a `forwarder`, a request for a session another daemon
+    serves is answered by that daemon (`forward.py`) rather than refused with its address."""
     app = FastAPI(title="superfluid session API (browser transport)", docs_url=None, redoc_url=None)
     auth = WebAuth(token, origins)
     app.state.auth = auth
@@ -230,12 +232,23 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
         except RecursionError:
             return _err(422, f"invalid {what}: nested too deeply")
 
+    async def elsewhere_or(request: HttpRequest, body: Any, reply: Any) -> Response:
+        """The reply; for a session another daemon serves, that daemon's answer where it can be asked."""
+        if (
+            isinstance(reply, Reply.Elsewhere)
+            and forwarder is not None
+            and not forwarded(request)
+            and forwarder.reaches(reply.address)
+        ):
+            return await forwarder.send(request, json.dumps(body).encode(), reply.address)
+        return _reply(reply)
+
     @app.post("/web/rpc")
     async def rpc(request: HttpRequest) -> Response:
         parsed = await checked(request, Request, "request")
         if isinstance(parsed, Response):
             return parsed
-        _, call = parsed
+        body, call = parsed
         if isinstance(call, (Request.Generate, Request.Subscribe, Request.Unsubscribe)):
             return _reply(Reply.Err(STREAMING_ON_RPC))
         if isinstance(call, Request.Complete) and (wait := rpc_bucket.take()):
@@ -244,7 +257,7 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
                 status_code=429,
                 headers={"Retry-After": retry_after_header(wait)},
             )
-        return _reply(await daemon.request(call))
+        return await elsewhere_or(request, body, await daemon.request(call))
 
     @app.post("/web/stream")
     async def stream(request: HttpRequest) -> Response:
@@ -252,6 +265,11 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
         if isinstance(parsed, Response):
             return parsed
         body, ask = parsed
+        if daemon.store.leases is not None:
+            try:
+                daemon.store.get(ask.session)  # served here from now on, unless another daemon serves it
+            except REFUSED as e:
+                return await elsewhere_or(request, body, refusal(e))
         try:
             tool = body.get("tool")
             function = normalize_tool(tool)["function"] if tool else None
@@ -263,11 +281,6 @@ def create_app(daemon: Daemon, token: str, origins: list[str]) -> FastAPI:
             )
         except (ConstraintError, ToolDeclarationError) as e:
             return _err(422, f"invalid stream request: {e}")
-        if daemon.store.leases is not None:
-            try:
-                daemon.store.get(ask.session)  # served here from now on, unless another daemon serves it
-            except REFUSED as e:
-                return _reply(refusal(e))
         return StreamingResponse(
             _sse(daemon, ask, grammar),
             media_type="text/event-stream",
@@ -377,10 +390,18 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
 class WebServer(HttpListener):
     """The /web/* app on a loopback address (any address for daemons sharing a store)."""
 
-    def __init__(self, daemon: Daemon, address: str, token: str, origins: list[str], anywhere: bool = False) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        address: str,
+        token: str,
+        origins: list[str],
+        anywhere: bool = False,
+        forwarder: Forwarder | None = None,
+    ) -> None:
         host, port = parse_web_address(address, anywhere)
         self.token = token
-        self.app = create_app(daemon, token, origins)
+        self.app = create_app(daemon, token, origins, forwarder)
         super().__init__(self.app, host, port, "the browser transport")
 
     async def start(self) -> str:
