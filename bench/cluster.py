@@ -340,9 +340,9 @@ def forwarding_rows(root: Path, threads: int, pg: PostgresCluster, samples: int)
     return rows
 
 
-def takeover_first_token(root: Path, threads: int, store: str, park: str | None, trial: int) -> float:
+def takeover_first_token(root: Path, threads: int, store: str, park: str | None, trial: int) -> tuple[float, int]:
     """Seconds to the first token of a long session on the daemon that took it over after its owner's
-    SIGKILL (a second after its prefill), both daemons on `park` (None: no park)."""
+    SIGKILL (a second after its prefill), both daemons on `park` (None: no park); and its length."""
     flags = ("--park-dir", park) if park else ("--no-park",)
     owner = ClusterDaemon(root / f"owner-{trial}", threads, store, *flags).start()
     taker = ClusterDaemon(root / f"taker-{trial}", threads, store, *flags).start()
@@ -351,6 +351,8 @@ def takeover_first_token(root: Path, threads: int, store: str, park: str | None,
             text = " ".join(f"Line {i} of a long document about lighthouse {trial}." for i in range(140))
             session = fresh_session(c, text)
         forced(owner, session, 4, [])
+        with owner.client() as c:
+            length = len(c.call(Request.Inspect(session)).inspection.tokens)
         time.sleep(1.5)  # a long prompt is parked within a second of its prefill
         assert owner.proc is not None
         owner.proc.send_signal(signal.SIGKILL)
@@ -369,7 +371,7 @@ def takeover_first_token(root: Path, threads: int, store: str, park: str | None,
                     reply = c.receive()
                 if not isinstance(reply, Response.Generated):
                     raise RuntimeError(f"the taken-over generation failed: {reply}")
-                return first
+                return first, length
         raise RuntimeError(f"session {session} was not taken over")
     finally:
         taker.stop()
@@ -379,14 +381,16 @@ def takeover_first_token(root: Path, threads: int, store: str, park: str | None,
 def warm_takeover_row(root: Path, threads: int, pg: PostgresCluster, trials: int) -> Result:
     """The first token after a takeover from a shared park over the same without a park (cold)."""
     warm, cold = [], []
+    length = 0
     for trial in range(trials):
-        warm.append(takeover_first_token(root / "warm", threads, pg.database(), str(root / "park"), trial))
-        cold.append(takeover_first_token(root / "cold", threads, pg.database(), None, trial))
+        first, length = takeover_first_token(root / "warm", threads, pg.database(), str(root / "park"), trial)
+        warm.append(first)
+        cold.append(takeover_first_token(root / "cold", threads, pg.database(), None, trial)[0])
         print(f"cluster: takeover {trial + 1} of {trials}: first token {warm[-1]:.2f} s warm, {cold[-1]:.2f} s cold")
     ratios = [w / c for w, c in zip(warm, cold, strict=True)]
     middle = median_round(ratios)
     detail = (
-        f"a 1,700-token session taken over after its owner's SIGKILL: {warm[middle]:.2f} s to the first token "
+        f"a {length:,}-token session taken over after its owner's SIGKILL: {warm[middle]:.2f} s to the first token "
         f"from the shared park (--park-dir) against {cold[middle]:.2f} s prefilling it (ratios "
         f"{', '.join(f'{r:.2f}' for r in ratios)})"
     )

@@ -31,7 +31,9 @@ Thirteen sections, one system driven at a time:
 - ui: the browser UI in headless Chromium: the first paint of a 1,000-event session, and how
   soon a streamed reply's committed tokens reach the page (bench/ui.py);
 - cluster: the PostgreSQL store against SQLite (commit latency per tick, decode at 8 streams),
-  and failover to another daemon after a SIGKILL (bench/cluster.py);
+  failover to another daemon after a SIGKILL, what forwarding to the daemon serving a session
+  adds to its first token, and a long session's takeover from the shared park against a cold
+  prefill (bench/cluster.py);
 - agents: a Claude Code turn's first token, cold and warm (a second turn with the same system
   prompt and tools), on superfluid and llama-server (bench/agents.py);
 - engine-large, http-large: the engine and http sections again on a random-weight model of the embedded one's
@@ -902,7 +904,7 @@ def run_ui(run: Run) -> list[Result]:
 
 
 def run_cluster(run: Run) -> list[Result]:
-    print("cluster: the PostgreSQL store against SQLite, and failover", flush=True)
+    print("cluster: the PostgreSQL store against SQLite, failover, forwarding and warm takeover", flush=True)
     return cluster_figures(run.root, run.threads, run.quick, run.rounds)
 
 

@@ -74,6 +74,24 @@ FAMILY_TEMPLATES = {
 }
 # A grammar with one sentence: the turn ends after it on any machine (finish 3).
 ENDS_TURN = 'root ::= "Hello there."'
+# A reply constrained to one of two words, as a Responses text format: the turn ends normally on any machine
+CITY = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def openai_at(url: str, api_key: str = "unused", **options: Any) -> Any:
+    """The official OpenAI client of the API at `url` (a daemon with no key takes any)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, **options)
 
 
 class DaemonProcess:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import HttpDaemon, chat_body
+from conftest import HttpDaemon, chat_body, openai_at
 
 pytestmark = pytest.mark.e2e
 
@@ -30,13 +30,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     proc.stop()
 
 
-def client(daemon: HttpDaemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused")
-
-
 @pytest.fixture
 def oa(api: HttpDaemon) -> openai.OpenAI:
-    return client(api)
+    return openai_at(api.url)
 
 
 def chat_line(custom_id: str, content: str, tokens: int) -> dict[str, Any]:
@@ -238,7 +234,7 @@ def test_a_batch_survives_restarts_and_belongs_to_its_key(tmp_path: Path) -> Non
     daemon = HttpDaemon(tmp_path, "--key-policy", str(policy), max_context=1024, max_batch=4).start()
 
     def as_(key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key)
+        return openai_at(daemon.url, api_key=key)
 
     try:
         total = 8

@@ -6,6 +6,7 @@ session log holds, never against expected wording.
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from conftest import free_port
 from terminal import Terminal
 
-from superfluid.cli.chat import ChatError, _interruptible, parse_params, read_conversation, read_message
+from superfluid.cli.chat import Chat, ChatError, _interruptible, parse_params, read_conversation, read_message
 from superfluid.client import SocketClient
 from superfluid.protocol.schema import EventBody, EventMsg, GenParams, Request, Response
 
@@ -126,3 +127,29 @@ def test_chat_streams_forks_edits_and_resumes_after_a_restart(tmp_path: Path) ->
             assert resumed[:2] == branch and resumed[2] == ("user", "And a vegetable?") and len(resumed) == 4
     finally:
         subprocess.run(stop, env={**os.environ, **env}, capture_output=True)
+
+
+class ScriptedDaemon:
+    """The two calls a chat's reply makes of its client, answered from a script of generated events."""
+
+    def __init__(self, bodies: list[EventBody]) -> None:
+        self.bodies = bodies
+
+    def generate(self, session: int, max_tokens: int) -> Iterator[object]:
+        for i, body in enumerate(self.bodies):
+            yield Response.Delta(EventMsg(10 + i, 0, 0, body))
+        yield Response.Generated([], 3, 1, 0)
+
+
+def test_reasoning_is_folded_into_one_line_and_think_unfolds_it(tmp_path: Path) -> None:
+    out = io.StringIO()
+    script = ScriptedDaemon(
+        [B.Generated([], "The user wants ", 1, 0), B.Generated([], "a colour.", 1, 0), B.Generated([], "Blue.", 0, 1)]
+    )
+    chat = Chat(tmp_path / "sf.sock", 1, 16, out, script)  # type: ignore[arg-type]
+    chat.reply()
+    shown = out.getvalue()
+    assert "(reasoned in 5 words; /think shows them)" in shown and shown.rstrip().endswith("Blue.")
+    assert "The user wants" not in shown, "the reasoning itself is folded away"
+    chat.commands["think"]("")
+    assert out.getvalue().endswith("The user wants a colour.\n")

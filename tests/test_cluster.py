@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import (
+    CITY,
     GREEDY,
     PostgresCluster,
     WebDaemon,
@@ -25,10 +26,10 @@ from conftest import (
     generated_tokens,
     metric,
     new_session,
+    openai_at,
     say,
     web_stream,
 )
-from openai import OpenAI
 from openai.types.responses import Response as OpenAIResponse
 from superfluid_client import Client
 
@@ -385,23 +386,10 @@ def test_a_session_taken_over_after_a_sigkill_resumes_warm_from_the_shared_park(
 HAPROXY_CONFIG = Path(__file__).resolve().parent.parent / "docs" / "deployment" / "haproxy.cfg"
 
 
-# a reply constrained to one of two words: each turn ends normally on any machine, so the next one
-# continues its session (a turn cut short is rendered anew)
-CITY = {
-    "type": "json_schema",
-    "name": "city",
-    "schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-
-
 def response_chain(url: str, turns: int) -> list[OpenAIResponse]:
-    """Greedy responses that end their turns, each continuing the one before, sent to `url`."""
-    oa = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    """Greedy responses that end their turns (CITY), each continuing the one before, sent to `url`: a
+    turn cut short would be rendered anew rather than continue its session."""
+    oa = openai_at(url, max_retries=0)
     replies: list[OpenAIResponse] = []
     for turn in range(turns):
         replies.append(

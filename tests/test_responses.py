@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import CITY_FUNCTION, HttpDaemon
+from conftest import CITY, CITY_FUNCTION, HttpDaemon, openai_at
 
 from superfluid.protocol.schema import Request
 
@@ -24,19 +24,6 @@ FORCED = {"ignore_eos": True}
 WEATHER = {"type": "function", **CITY_FUNCTION}  # the Responses API's flat function tool
 
 
-# a reply constrained to one of two words: the turn ends normally on any machine
-CITY = {
-    "type": "json_schema",
-    "name": "city",
-    "schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-
-
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     proc = HttpDaemon(tmp_path_factory.mktemp("responses"), max_context=2048, max_batch=4).start()
@@ -44,13 +31,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     proc.stop()
 
 
-def client(daemon: HttpDaemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused")
-
-
 @pytest.fixture
 def oa(api: HttpDaemon) -> openai.OpenAI:
-    return client(api)
+    return openai_at(api.url)
 
 
 def forced(oa: openai.OpenAI, tokens: int, **fields: object) -> openai.types.responses.Response:
@@ -242,7 +225,7 @@ def test_a_record_survives_a_restart_and_belongs_to_its_key(tmp_path: Path) -> N
     daemon = HttpDaemon(tmp_path, "--key-policy", str(policy), max_context=1024, max_batch=2).start()
 
     def as_(key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key=key)
+        return openai_at(daemon.url, api_key=key)
 
     try:
         first = ended(as_("alice-key"), input="Which city is the capital of France? Answer in JSON.")
