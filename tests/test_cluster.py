@@ -125,7 +125,7 @@ def test_a_session_is_served_by_one_daemon_and_clients_are_sent_to_it(
         first = session.generate(8, ignore_eos=True)
         assert first.tokens == 8
 
-        with b.client() as c:
+        with c_refuses.client() as c:
             refused = c.call(Request.AppendMessage(session.id, 1, "Another."))
             assert isinstance(refused, Response.Elsewhere) and refused.address == a.url, refused
             read = c.call(Request.Read(session.id, 0))  # reading needs no lease: any daemon answers it
@@ -177,8 +177,14 @@ def test_a_request_for_a_session_served_elsewhere_is_answered_by_its_owner(daemo
     committed = [f["committed"]["event_id"] for f in frames if "committed" in f]
     log = events_of(a, session)
     assert committed and committed[-1] == log[-1].event_id, "b streamed what a committed"
+    # the socket's clients too: b asks a's session API, and answers as a would
     with b.client() as c:
-        assert isinstance(c.call(Request.Inspect(session)), Response.Elsewhere), "a still serves it"
+        inspected = c.call(Request.Inspect(session))
+        assert isinstance(inspected, Response.Inspection) and inspected.inspection.summary.id == session
+        assert isinstance(c.call(Request.AppendMessage(session, 1, "More.")), Response.Committed)
+        deltas, summary = forced(c, session, 5)
+    assert summary.tokens_generated == 5 and summary.events == deltas
+    assert events_of(a, session)[-len(deltas) :] == deltas, "a committed what b's client was sent"
 
     # a client of b that hangs up frees a's lane
     long = {"session": session, "max_tokens": 1500, "ignore_eos": True}

@@ -356,6 +356,36 @@ def test_class_lanes_cap_a_class(tmp_path: Path) -> None:
         proc.stop()
 
 
+def test_a_busy_daemon_sheds_stateless_requests_when_asked(tmp_path: Path) -> None:
+    proc = HttpDaemon(tmp_path, "--shed-when-busy", "429", max_context=1024, max_batch=2).start()
+    replies: list[int] = []
+
+    def ask(i: int) -> None:
+        r = httpx.post(f"{proc.url}/v1/chat/completions", json=chat_body(f"Story {i}.", 300, False), timeout=120)
+        replies.append(r.json()["usage"]["completion_tokens"])
+
+    try:
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for asker in askers:
+            asker.start()
+        deadline = time.monotonic() + 30
+        while proc.metric("superfluid_lanes_active") < 2:
+            assert time.monotonic() < deadline, "the two generations never ran together"
+            time.sleep(0.02)
+        shed = httpx.post(f"{proc.url}/v1/chat/completions", json=chat_body("Hi.", 4, False), timeout=30)
+        assert shed.status_code == 429 and shed.headers["retry-after"] == "1", shed.text
+        assert shed.json()["error"]["code"] == "busy"
+        tokens = httpx.post(f"{proc.url}/v1/tokenize", json={"content": "Hi."}, timeout=30)
+        assert tokens.status_code == 200, "only generations that carry no session are shed"
+        for asker in askers:
+            asker.join(120)
+        assert replies == [300, 300], "what was running was not cut"
+        again = httpx.post(f"{proc.url}/v1/chat/completions", json=chat_body("Hi.", 4, False), timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.stop()
+
+
 def test_log_dir_holds_private_json_lines_without_content(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = HttpDaemon(tmp_path, "--log-dir", str(logs), "-v", max_context=1024, max_batch=2).start()

@@ -99,6 +99,7 @@ class ServeConfig:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     class_lanes: dict[int, int] = field(default_factory=dict)  # QoS class -> most lanes it may hold
     nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
+    shed_when_busy: int | None = None  # 429 or 503 for a stateless request when every lane is busy; None: queue
     api_key: str | None = None
     keys: list[Any] = field(default_factory=list)  # the keys of --key-policy, read once at start
     rate_limit: int = 0  # requests per minute per client IP; 0 off

@@ -39,6 +39,7 @@ class HttpPolicy:
     qos_header: bool = True  # False: every request runs in default_qos, whatever it claims
     allow_batch_invariant: bool = False
     nonstream_keepalive: float = 0.0  # seconds between the spaces of a non-streaming body; 0 off
+    shed_when_busy: int | None = None  # the status of a stateless request while every lane is busy; None: queue
 
 
 def model_id_for(daemon: Daemon, name: str | None) -> str:

@@ -109,13 +109,15 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     shared_token = store.log.shared_token() if isinstance(store.log, PostgresLog) else None
     web_token = mint_token(token_path, shared_token)  # for --web, and the UI on a loopback --http
     # a request for a session another daemon serves is sent on to it
-    forwarder = Forwarder(daemon_id(config.sessions)) if store.leases is not None and config.forward else None
+    forwarder = (
+        Forwarder(daemon_id(config.sessions), web_token) if store.leases is not None and config.forward else None
+    )
     if config.web:  # before the socket: a session leased from here on names this daemon's address
         web_server = WebServer(daemon, config.web, web_token, config.web_origins, shared_token is not None, forwarder)
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
             store.leases.address = reachable(url)
-    socket_server = SocketServer(daemon, config.socket)
+    socket_server = SocketServer(daemon, config.socket, forwarder)
     await socket_server.start()
     api_server = None
     if not config.no_http:
@@ -124,6 +126,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
             config.http_qos_header,
             config.http_allow_batch_invariant,
             config.nonstream_keepalive,
+            config.shed_when_busy,
         )
         api_server = ApiServer(
             daemon,

@@ -574,6 +574,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="grant x-superfluid-batch-invariant (a lane that runs alone: one client can then slow every other)",
     )
     scheduling.add_argument(
+        "--shed-when-busy",
+        type=int,
+        choices=(429, 503),
+        default=None,
+        metavar="STATUS",
+        help="answer a new request that carries no session (a chat completion, completion, message, Ollama chat "
+        "or generate) with STATUS, 429 or 503, and Retry-After when every lane is busy, instead of queueing it, "
+        "so a load balancer or the client tries another daemon (HAProxy retries 503 itself) (default: queue it)",
+    )
+    scheduling.add_argument(
         "--class-lanes",
         type=_class_lanes,
         default={},
@@ -743,6 +753,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p, args.repeat_penalty),
         class_lanes=args.class_lanes,
         nonstream_keepalive=args.nonstream_keepalive,
+        shed_when_busy=args.shed_when_busy,
         api_key=args.api_key,
         rate_limit=args.rate_limit,
         drain_timeout=args.drain_timeout,

@@ -160,6 +160,10 @@ class Scheduler:
         with self._cv:
             return len(self._queue)
 
+    def busy(self) -> bool:
+        """Every lane runs a job (as of the last step): a new job would wait."""
+        return self.stats.lanes_active >= self.max_lanes
+
     def submit(self, job: Job) -> None:
         if len(job.tokens) >= self.window:
             raise ValueError(f"prompt of {len(job.tokens)} tokens does not fit the {self.window}-token window")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ..core.bus import END_UNSUBSCRIBED, SubEnded, Subscription
 from ..core.daemon import Daemon
@@ -20,6 +21,9 @@ from ..core.verbs.generate import Generation
 from ..protocol.schema import Request, Response
 from .ratelimit import TokenBucket, retry_after_ms
 
+if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path
+    from .forward import Forwarder
+
 log = logging.getLogger("superfluid.transport")
 
 Send = Callable[[Response], Awaitable[None]]
@@ -28,9 +32,10 @@ Send = Callable[[Response], Awaitable[None]]
 class Connection:
     """Runs one connection's requests against the daemon."""
 
-    def __init__(self, daemon: Daemon, send: Send) -> None:
+    def __init__(self, daemon: Daemon, send: Send, forwarder: Forwarder | None = None) -> None:
         self.daemon = daemon
         self.send = send
+        self.forwarder = forwarder  # a session another daemon of the store serves is asked of it
         self.completions = TokenBucket()
         self._subs: dict[int, tuple[Subscription, asyncio.Task[None]]] = {}
         self._generation: Generation | None = None
@@ -45,13 +50,29 @@ class Connection:
         elif isinstance(request, Request.Complete) and (wait := self.completions.take()):
             await self.send(Response.Throttled(retry_after_ms(wait)))
         else:
-            await self.send(await self.daemon.request(request))
+            reply = await self.daemon.request(request)
+            if self.forwarder is not None and self._forwardable(reply):
+                reply = await self.forwarder.call(request, reply)
+            await self.send(reply)
+
+    def _forwardable(self, reply: object) -> bool:
+        """A refusal naming a daemon that serves the session, whose session API can be asked."""
+        return (
+            self.forwarder is not None
+            and isinstance(reply, Response.Elsewhere)
+            and self.forwarder.reaches(reply.address)
+        )
 
     async def _generate(self, request: Request.Generate) -> None:
         try:
             generation = await self.daemon.generate(request, provisional=False)
         except REFUSED as e:
-            await self.send(refusal(e))
+            refused = refusal(e)
+            if self.forwarder is None or not self._forwardable(refused):
+                await self.send(refused)
+                return
+            async for reply in self.forwarder.generate(request, refused):
+                await self.send(reply)
             return
         self._generation = generation
         try:

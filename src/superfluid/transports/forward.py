@@ -9,16 +9,29 @@ method, path, body and headers (the key, the QoS class and the token travel with
 forwarded request's session refuses it as before. The owner's status, headers and body come
 back unchanged as they arrive; a client that hangs up closes the forwarded request, which the
 owner sees as its own client going away (the generation is cancelled there).
+
+The session API's clients on the socket (and the WebSocket) are served the same way, through
+the owner's /web/rpc and /web/stream, with the web token the daemons of a store share:
+`Forwarder.call` and `Forwarder.generate` turn a request into the owner's JSON and its answer
+back into the protocol's replies. An owner out of reach (dead, or paused, before its lease
+runs out) leaves the refusal as it was: `Elsewhere`, which a client retries.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..protocol import jsoncodec
+from ..protocol.schema import EventMsg
+from ..protocol.schema import Request as SessionRequest
+from ..protocol.schema import Response as Reply
 
 log = logging.getLogger("superfluid.forward")
 
@@ -28,6 +41,12 @@ DROPPED = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "trailer"}
 )
 CONNECT_TIMEOUT_S = 5.0
+# How long the owner may take to answer a session API request before it is taken for paused (a
+# SIGSTOP, a VM frozen: its listener still accepts) and the client is told where the session is
+# instead: a verb that writes or reads the log answers in milliseconds; a completion or a stream's
+# next frame (keep-alives come every 15 s) may take longer.
+RPC_TIMEOUT_S = 5.0
+GENERATING_TIMEOUT_S = 30.0
 
 
 def forwarded(request: Request) -> bool:
@@ -43,8 +62,9 @@ def _headers(headers: Mapping[str, str], **extra: str) -> dict[str, str]:
 class Forwarder:
     """Sends requests on to the daemons that own their sessions, over one pool of connections."""
 
-    def __init__(self, daemon_id: str) -> None:
+    def __init__(self, daemon_id: str, token: str = "") -> None:
         self.daemon_id = daemon_id
+        self.token = token  # the web token the daemons of a store share, for the session API's requests
         # no read timeout: a generation's stream may pause as long as the owner's does
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
 
@@ -54,7 +74,7 @@ class Forwarder:
         return owner.startswith(("http://", "https://"))
 
     async def send(self, request: Request, body: bytes, owner: str) -> Response:
-        """The owner's answer to `request` (whose `body` was read already); 502 when the owner is out of reach."""
+        """The owner's answer to `request` (whose `body` was read already); 503 when the owner is out of reach."""
         url = owner.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         outgoing = self._client.build_request(
             request.method,
@@ -66,11 +86,10 @@ class Forwarder:
             upstream = await self._client.send(outgoing, stream=True)
         except httpx.HTTPError as e:
             log.warning("forwarding %s %s to %s failed: %s", request.method, request.url.path, owner, e)
-            return Response(
-                f'{{"error":"the daemon serving this session ({owner}) is out of reach: {type(e).__name__}"}}',
-                502,
-                media_type="application/json",
-            )
+            # 503 and Retry-After: a load balancer or a client tries again, and once the owner's lease runs
+            # out, the daemon asked takes the session over
+            message = f"the daemon serving this session ({owner}) is out of reach ({type(e).__name__}): try again"
+            return JSONResponse({"error": {"message": message, "code": "owner_unreachable"}}, 503, {"Retry-After": "1"})
         log.debug("forwarded %s %s to %s: %d", request.method, request.url.path, owner, upstream.status_code)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -81,6 +100,69 @@ class Forwarder:
                 await upstream.aclose()
 
         return StreamingResponse(relay(), upstream.status_code, headers=_headers(upstream.headers))
+
+    def _session_headers(self) -> dict[str, str]:
+        return {
+            "authorization": f"Bearer {self.token}",
+            "x-superfluid-csrf": self.token,
+            FORWARDED_HEADER: self.daemon_id,
+        }
+
+    async def call(self, request: Any, refused: Any) -> Any:
+        """The owner's reply to a session API request that `refused` (an `Elsewhere`) sent there; `refused`
+        itself when the owner cannot be asked."""
+        try:
+            answer = await self._client.post(
+                f"{refused.address.rstrip('/')}/web/rpc",
+                content=jsoncodec.dumps(request, SessionRequest),
+                headers={**self._session_headers(), "content-type": "application/json"},
+                timeout=httpx.Timeout(
+                    GENERATING_TIMEOUT_S if isinstance(request, SessionRequest.Complete) else RPC_TIMEOUT_S,
+                    connect=CONNECT_TIMEOUT_S,
+                ),
+            )
+            return jsoncodec.loads(answer.content, Reply)
+        except (httpx.HTTPError, ValueError, jsoncodec.JsonShapeError) as e:
+            log.info("could not forward %s to %s: %s", type(request).__name__, refused.address, e)
+            return refused
+
+    async def generate(self, request: Any, refused: Any) -> AsyncIterator[Any]:
+        """The replies of a Generate the owner runs (its /web/stream): Deltas, then Generated or Err;
+        `refused` alone when the owner cannot be asked."""
+        body = {
+            "session": request.session,
+            "max_tokens": request.max_tokens,
+            "ignore_eos": request.ignore_eos,
+            "every_event": True,  # a Delta for each, as the socket sends them
+        }
+        events: list[EventMsg] = []
+        url = f"{refused.address.rstrip('/')}/web/stream"
+        timeout = httpx.Timeout(GENERATING_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        try:
+            async with self._client.stream(
+                "POST", url, json=body, headers=self._session_headers(), timeout=timeout
+            ) as answer:
+                if answer.status_code != 200:
+                    yield jsoncodec.loads(await answer.aread(), Reply)
+                    return
+                async for line in answer.aiter_lines():
+                    frame = json.loads(line[len("data: ") :]) if line.startswith("data: {") else {}
+                    if "committed" in frame:
+                        events.append(jsoncodec.from_json(frame["committed"], EventMsg))
+                        yield Reply.Delta(events[-1])
+                    elif "done" in frame:
+                        done = frame["done"]
+                        yield Reply.Generated(events, done["tokens_generated"], done["finish"], done["warm_prefix"])
+                        return
+                    elif "error" in frame:
+                        yield Reply.Err(frame["error"])
+                        return
+        except (httpx.HTTPError, ValueError, jsoncodec.JsonShapeError) as e:
+            log.info("could not forward a Generate to %s: %s", refused.address, e)
+            if not events:  # nothing happened there that the client saw
+                yield refused
+                return
+        yield Reply.Err(f"the daemon serving session {request.session} ({refused.address}) ended its stream early")
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -54,6 +54,15 @@ BODY_LIMIT = 100 << 20
 # routes that may need a session another daemon of the store serves (a chain of responses), and
 # are sent on to it; /web/rpc and /web/stream forward on their own (web.py)
 FORWARDED_ROUTES = frozenset({"/v1/responses"})
+# routes whose requests carry no session, which any daemon may answer: with --shed-when-busy, refused
+# while every lane is busy, so that they go to another daemon rather than queue here
+SHED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate"})
+
+
+def _busy(daemon: Daemon) -> bool:
+    """Whether every lane of every loaded model is busy (a daemon serves one model, mostly)."""
+    loaded = daemon.models.loaded()
+    return bool(loaded) and all(runtime.scheduler.busy() for runtime in loaded)
 
 
 def _loopback_name(host: str) -> bool:
@@ -105,6 +114,10 @@ def create_app(
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > BODY_LIMIT:
             return refuse(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
+        if policy.shed_when_busy and request.method == "POST" and request.url.path in SHED_ROUTES and _busy(daemon):
+            refused = refuse("every lane is busy: try again, or another daemon", policy.shed_when_busy, "busy")
+            refused.headers["Retry-After"] = "1"
+            return refused
         if forwarder is None or request.url.path not in FORWARDED_ROUTES or forwarded(request):
             return await call_next(request)
         body = await request.body()  # kept for the owner: the route reads it again from here

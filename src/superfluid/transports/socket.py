@@ -14,12 +14,16 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import MAX_FRAME
 from ..core.daemon import Daemon
 from ..protocol import postcard
 from ..protocol.schema import Request, Response
 from .connection import Connection
+
+if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path
+    from .forward import Forwarder
 
 log = logging.getLogger("superfluid.socket")
 UNIX_PATH_MAX = 108  # sun_path on Linux, terminator included
@@ -28,9 +32,10 @@ UNIX_PATH_MAX = 108  # sun_path on Linux, terminator included
 class SocketServer:
     """Serves the session API on a unix socket."""
 
-    def __init__(self, daemon: Daemon, path: Path) -> None:
+    def __init__(self, daemon: Daemon, path: Path, forwarder: Forwarder | None = None) -> None:
         self.daemon = daemon
         self.path = path
+        self.forwarder = forwarder
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -72,7 +77,7 @@ class SocketServer:
                 writer.write(len(payload).to_bytes(4, "little") + payload)
                 await writer.drain()
 
-        connection = Connection(self.daemon, send)
+        connection = Connection(self.daemon, send, self.forwarder)
         try:
             while True:
                 request = await _read_frame(reader)

@@ -79,14 +79,16 @@ class StreamRequest(Struct):
     """The body of POST /web/stream.
 
     Beyond the protocol's three fields the body may carry `ignore_eos` (decode to
-    `max_tokens`) and one constraint: `grammar` (GBNF text), `json_schema` (an object) or
-    `tool` (a tool declaration the reply must call).
+    `max_tokens`), `every_event` (every event the generation commits, its opener included, as the
+    socket's Deltas carry them) and one constraint: `grammar` (GBNF text), `json_schema` (an object)
+    or `tool` (a tool declaration the reply must call).
     """
 
     session: U64
     max_tokens: U32
     provisional: bool | None
     ignore_eos: bool | None = None
+    every_event: bool | None = None
 
 
 def mint_token(path: Path, shared: str | None = None) -> str:
@@ -295,7 +297,7 @@ def create_app(daemon: Daemon, token: str, origins: list[str], forwarder: Forwar
             await websocket.send_denial_response(refused)
             return
         await websocket.accept(subprotocol=PROTOCOL if offered else None)
-        await _serve_websocket(daemon, websocket)
+        await _serve_websocket(daemon, websocket, forwarder)
 
     return app
 
@@ -326,7 +328,7 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
             elif isinstance(outcome, Provisional):
                 yield _frame({"provisional": {"channel": outcome.channel, "text": outcome.text}})
             elif isinstance(outcome, Committed):
-                if isinstance(outcome.event.body, STREAMED):
+                if ask.every_event or isinstance(outcome.event.body, STREAMED):
                     yield _frame({"committed": jsoncodec.to_json(outcome.event)})
             elif isinstance(outcome, Done):
                 ended = True
@@ -342,7 +344,7 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
             generation.cancel()
 
 
-async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
+async def _serve_websocket(daemon: Daemon, websocket: WebSocket, forwarder: Forwarder | None) -> None:
     """Requests in order, one reply per text frame; bad frames get an Err and the socket stays open."""
     send_lock = asyncio.Lock()
 
@@ -350,7 +352,7 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket) -> None:
         async with send_lock:
             await websocket.send_text(jsoncodec.dumps(reply, Reply))
 
-    connection = Connection(daemon, send)
+    connection = Connection(daemon, send, forwarder)
     inbound: asyncio.Queue[Any] = asyncio.Queue(WS_INBOUND_QUEUE)
 
     async def read() -> None:
