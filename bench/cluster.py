@@ -6,7 +6,8 @@ cores): each tick's commit latency (p50 and p99, from the `superfluid_commit_sec
 histogram's buckets) and decode tokens/s. Then two daemons on one database with short leases:
 the time from a SIGKILL of the one serving a generating session to the other streaming it;
 what forwarding a request to the daemon serving its session adds to its first token; and the
-first token of a long session taken over after a SIGKILL, from the shared park against a prefill.
+first token of a long session taken over after a SIGKILL, from the shared park against a prefill;
+and 16 concurrent chats through HAProxy (docs/deployment/haproxy.cfg) over 1, 2 and 3 daemons.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from loadbalancer import HAProxy
 from peer import Superfluid, free_port
 from pgcluster import PostgresCluster
 from record import Result, median_round
@@ -294,6 +296,8 @@ def cluster_figures(root: Path, threads: int, quick: bool, rounds: int | None = 
         rows += forwarding_rows(root / "forwarding", threads, pg, 30 if quick else 100)
         print("cluster: a long session taken over, from the shared park and cold", flush=True)
         rows.append(warm_takeover_row(root / "takeover", threads, pg, rounds))
+        print("cluster: chats through HAProxy over 1, 2 and 3 daemons", flush=True)
+        rows += haproxy_rows(root / "haproxy", threads, pg, rounds)
     finally:
         pg.remove()
     return rows
@@ -405,3 +409,85 @@ def warm_takeover_row(root: Path, threads: int, pg: PostgresCluster, trials: int
         "lower",
         rounds={"warm s": warm, "cold s": cold, "ratio": ratios},
     )
+
+
+CHATS, CHAT_TOKENS = 16, 64
+
+
+def through_haproxy(url: str, tag: str) -> float:
+    """Tokens/s of CHATS concurrent forced chats of CHAT_TOKENS tokens sent to `url`."""
+    done: list[int] = []
+
+    def chat(i: int) -> None:
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": f"Tell me a story about lighthouse {tag}-{i}."}],
+            "max_tokens": CHAT_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        reply.raise_for_status()
+        done.append(reply.json()["usage"]["completion_tokens"])
+
+    workers = [threading.Thread(target=chat, args=(i,)) for i in range(CHATS)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - started
+    if len(done) != CHATS:
+        raise RuntimeError(f"{CHATS - len(done)} of {CHATS} chats failed")
+    return sum(done) / seconds
+
+
+def haproxy_round(root: Path, threads: int, store: str, daemons: int, tag: str) -> float:
+    """Tokens/s of the chats through HAProxy in front of `daemons` daemons on `store`, sharing this
+    machine's `threads` between them: llama.cpp's threads spin while they wait, so two daemons of two
+    threads each on two cores ran 26 times slower than one (6.7 against 174.5 tok/s)."""
+    share = str(max(1, threads // daemons))
+    servers = [
+        Superfluid(root / f"{tag}-{n}", WINDOW, LANES, "--threads", share, "--store", store).start()
+        for n in range(daemons)
+    ]
+    try:
+        with HAProxy([f"127.0.0.1:{s.port}" for s in servers], root) as proxy:
+            through_haproxy(proxy.url, f"warm-{tag}")  # a first run's one-off costs are not steady state
+            return through_haproxy(proxy.url, tag)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def haproxy_rows(root: Path, threads: int, pg: PostgresCluster, rounds: int) -> list[Result]:
+    """16 concurrent chats through HAProxy over 1, 2 and 3 daemons, each figure over one daemon's."""
+    rates: dict[int, list[float]] = {n: [] for n in (1, 2, 3)}
+    for round_ in range(rounds):
+        for n in rates:
+            rates[n].append(haproxy_round(root, threads, pg.database(), n, f"{round_}-{n}"))
+            print(f"cluster: round {round_ + 1} of {rounds}, {n} daemon(s) behind haproxy: {rates[n][-1]:.1f} tok/s")
+    rows = []
+    for n in (2, 3):
+        ratios = [many / one for many, one in zip(rates[n], rates[1], strict=True)]
+        middle = median_round(ratios)
+        detail = (
+            f"{CHATS} concurrent chats of {CHAT_TOKENS} forced tokens through HAProxy: {rates[n][middle]:.1f} tok/s "
+            f"over {n} daemons against {rates[1][middle]:.1f} over one, the machine's {threads} threads shared "
+            f"between the daemons (ratios "
+            f"{', '.join(f'{r:.2f}' for r in ratios)}); daemons on machines of their own would add their own"
+        )
+        rows.append(
+            Result(
+                f"chats through HAProxy, {n} daemons / 1",
+                ratios[middle],
+                "(reported)",
+                True,
+                detail,
+                "x",
+                "one daemon behind HAProxy",
+                "higher",
+                rounds={f"{n} daemons tok/s": rates[n], "1 daemon tok/s": rates[1], "ratio": ratios},
+            )
+        )
+    return rows

@@ -7,12 +7,12 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 from conftest import (
@@ -30,6 +30,7 @@ from conftest import (
     say,
     web_stream,
 )
+from loadbalancer import HAProxy
 from openai.types.responses import Response as OpenAIResponse
 from superfluid_client import Client
 
@@ -389,19 +390,21 @@ def test_a_session_taken_over_after_a_sigkill_resumes_warm_from_the_shared_park(
     assert events_of(c, damaged)[: len(before)] == before
 
 
-HAPROXY_CONFIG = Path(__file__).resolve().parent.parent / "docs" / "deployment" / "haproxy.cfg"
+QUESTION = "Question {}: the capital of France or of Norway? Answer in JSON."
 
 
-def response_chain(url: str, turns: int) -> list[OpenAIResponse]:
+def response_chain(url: str, turns: int, opening: str = "", retries: int = 0) -> list[OpenAIResponse]:
     """Greedy responses that end their turns (CITY), each continuing the one before, sent to `url`: a
-    turn cut short would be rendered anew rather than continue its session."""
-    oa = openai_at(url, max_retries=0)
+    turn cut short would be rendered anew rather than continue its session. `opening` comes before the
+    first question; the OpenAI client tries a request `retries` more times on a 503 (after its
+    Retry-After) or a lost connection."""
+    oa = openai_at(url, max_retries=retries)
     replies: list[OpenAIResponse] = []
     for turn in range(turns):
         replies.append(
             oa.responses.create(
                 model="smollm2",
-                input=f"Question {turn}: the capital of France or of Norway? Answer in JSON.",
+                input=(opening if turn == 0 else "") + QUESTION.format(turn),
                 previous_response_id=replies[-1].id if replies else None,
                 text={"format": CITY},
                 max_output_tokens=32,
@@ -412,21 +415,15 @@ def response_chain(url: str, turns: int) -> list[OpenAIResponse]:
     return replies
 
 
-def test_three_daemons_behind_haproxy_need_no_stickiness(daemons: list[ClusterDaemon]) -> None:
-    a, _, c = daemons
-    port = free_port()
-    env = {**os.environ, "SUPERFLUID_BIND": f"127.0.0.1:{port}"}
-    env |= {f"SUPERFLUID_{name}": d.http_url.removeprefix("http://") for name, d in zip("ABC", daemons, strict=True)}
-    haproxy = subprocess.Popen(
-        ["haproxy", "-db", "-f", str(HAPROXY_CONFIG)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 10
-        while not _answers(f"{url}/health"):
-            assert haproxy.poll() is None and time.monotonic() < deadline, "haproxy did not come up"
-            time.sleep(0.1)
+def behind_haproxy(daemons: list[ClusterDaemon], workdir: Path) -> HAProxy:
+    return HAProxy([d.http_url.removeprefix("http://") for d in daemons], workdir).start()
 
+
+def test_three_daemons_behind_haproxy_need_no_stickiness(daemons: list[ClusterDaemon], tmp_path: Path) -> None:
+    a, _, c = daemons
+    haproxy = behind_haproxy(daemons, tmp_path)
+    url = haproxy.url
+    try:
         # a chain of responses whose turns land on every daemon in turn: each is sent on to the daemon
         # serving the chain's session, so it runs as on one daemon, and warm
         through = response_chain(url, 10)
@@ -444,6 +441,15 @@ def test_three_daemons_behind_haproxy_need_no_stickiness(daemons: list[ClusterDa
             assert frames[-1]["done"]["tokens_generated"] == 3
         assert len([e for e in events_of(a, session) if isinstance(e.body, EventBody.Generated)]) >= 3
 
+        # the Anthropic SDK through it: a message carries no session, so it runs where it lands
+        claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        for _ in range(3):
+            with claude.messages.stream(
+                model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Name a river."}]
+            ) as stream:
+                final = stream.get_final_message()
+            assert final.usage.output_tokens >= 1 and final.stop_reason in ("end_turn", "max_tokens")
+
         # a draining daemon leaves the rotation: every request still gets an answer
         assert c.proc is not None
         c.proc.send_signal(signal.SIGUSR1)
@@ -453,8 +459,53 @@ def test_three_daemons_behind_haproxy_need_no_stickiness(daemons: list[ClusterDa
             assert reply.status_code == 200, reply.text
         assert c.proc.wait(30) == 0, "the drained daemon stopped cleanly"
     finally:
-        haproxy.terminate()
-        haproxy.wait(10)
+        haproxy.stop()
+
+
+def test_a_chain_through_haproxy_carries_on_warm_after_its_owner_is_killed(
+    daemons: list[ClusterDaemon], tmp_path: Path
+) -> None:
+    # an opening long enough to be parked write-behind as soon as it is prefilled
+    opening = " ".join(f"Note {i}: lighthouses guide ships along rocky coasts." for i in range(40)) + "\n"
+    haproxy = behind_haproxy(daemons, tmp_path)
+    try:
+        before = response_chain(haproxy.url, 3, opening)
+        # every turn ran on the daemon serving the chain's session, wherever it landed
+        ran = [metric_of(d, "superfluid_generations_total") for d in daemons]
+        assert sorted(ran) == [0, 0, 3], ran
+        owner = daemons[ran.index(3)]
+        time.sleep(1.0)  # long prompts are parked write-behind, within a second of their prefill
+        owner.kill()
+
+        # the next turn: refused with 503 and Retry-After until the owner's lease runs out, then taken
+        # over by another daemon, which resumes the session from the shared park; an unchanged client
+        # that honours Retry-After sees one slow reply
+        oa = openai_at(haproxy.url, max_retries=10)
+        started = time.monotonic()
+        after = oa.responses.create(
+            model="smollm2",
+            input=QUESTION.format(3),
+            previous_response_id=before[-1].id,
+            text={"format": CITY},
+            max_output_tokens=32,
+            temperature=0,
+        )
+        assert time.monotonic() - started < 60, "at most a few tries a second apart past the lease's expiry"
+        assert after.usage.input_tokens_details.cached_tokens >= before[0].usage.input_tokens - 1
+        # what the client was told before the kill is what the store kept
+        for reply in before:
+            assert oa.responses.retrieve(reply.id).output_text == reply.output_text
+    finally:
+        haproxy.stop()
+
+    # the same four turns on one daemon, uncut
+    alone = response_chain(next(d for d in daemons if d is not owner).http_url, 4, opening)
+    assert [r.output_text for r in [*before, after]] == [r.output_text for r in alone]
+
+
+def metric_of(daemon: ClusterDaemon, name: str) -> float:
+    with daemon.client() as client:
+        return metric(client, name)
 
 
 class _Through:
@@ -466,10 +517,3 @@ class _Through:
 
     def headers(self) -> dict[str, str]:
         return self._headers
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
