@@ -106,6 +106,10 @@ class ServeConfig:
     drain_timeout: float = 60.0
     log_file: Path | None = None
     log_dir: Path | None = None
+    # OpenTelemetry export (superfluid.telemetry.otlp); None: $OTEL_EXPORTER_OTLP_ENDPOINT and friends, else the default
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    otlp_service_name: str | None = None
     tui: bool = False  # the terminal monitor (--tui; on by default when stdout is a terminal)
     store: str | None = None  # a PostgreSQL URL for the session log; None: SQLite under `sessions`
     advertise: str | None = None  # where clients reach this daemon's --web, told to those sent elsewhere

@@ -18,6 +18,7 @@ import queue
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 LEVELS = {
     "trace": logging.DEBUG,
@@ -37,15 +38,19 @@ LOG_FILES_KEPT = 8
 
 
 class JsonLines(logging.Formatter):
-    """One JSON object a line: time, level, logger and message."""
+    """One JSON object a line: time, level, logger and message, and the fields of a structured line (an access
+    line's, passed as `extra={"fields": {...}}`) as keys of their own."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {
+        line: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "target": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line |= fields
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)

@@ -223,6 +223,15 @@ class Metrics:
         self.fim_completions = Counter(
             "superfluid_fim_completions", "Complete requests, by result", ["result"], registry=self.registry
         )
+        # with --otlp-endpoint (superfluid.telemetry): what the export lost
+        self.otlp_spans_dropped = Counter(
+            "superfluid_otlp_spans_dropped",
+            "Spans not exported: the queue was full, or the collector could not be reached or refused them",
+            registry=self.registry,
+        )
+        self.otlp_export_failures = Counter(
+            "superfluid_otlp_export_failures", "OTLP exports that failed, by signal", ["signal"], registry=self.registry
+        )
         self._scheduler = _SchedulerCollector()
         self.registry.register(self._scheduler)
         self._keys = _KeyCollector()

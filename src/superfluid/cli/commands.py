@@ -172,17 +172,44 @@ def export_record(session: int, event: EventMsg, include_content: bool) -> dict[
     }
 
 
-def session_export(socket_path: Path | None, session: int, out: Path, include_content: bool) -> Path:
+def session_export(
+    socket_path: Path | None, session: int, fmt: str, include_content: bool, out: str | None, endpoint: str | None
+) -> list[str]:
+    """Export a session as JSON lines of its events (`jsonl`) or as OpenTelemetry spans (`otlp-jsonl`), to a
+    file `session-<id>.<format>` in `out` (mode 0600) or to stdout (`out` "-"), and the spans to an OTLP/HTTP
+    collector at `endpoint`; with an endpoint and no `out`, nothing is written. Returns what to report."""
+    if endpoint is not None and fmt != "otlp-jsonl":
+        raise CommandError("--endpoint sends OpenTelemetry spans: add --format otlp-jsonl")
     with _connect(socket_path) as client:
-        events = _call(client, Request.Read(session, 0), Response.Events).events
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"session-{session}.jsonl"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        os.fchmod(handle.fileno(), 0o600)
-        for event in events:
-            handle.write(json.dumps(export_record(session, event, include_content), ensure_ascii=False) + "\n")
-    return path
+        if fmt == "jsonl":
+            events = _call(client, Request.Read(session, 0), Response.Events).events
+            lines = [json.dumps(export_record(session, e, include_content), ensure_ascii=False) for e in events]
+        else:
+            inspection = _call(client, Request.Inspect(session), Response.Inspection).inspection
+    report: list[str] = []
+    if fmt == "otlp-jsonl":
+        # imported only here: the exporter's packages are needed by nothing else the command line does
+        from ..telemetry.session_spans import SpanExportError, send, session_trace, span_count, to_json_line
+
+        trace = session_trace(inspection, redact if include_content else None)
+        lines = [to_json_line(trace)]
+        if endpoint is not None:
+            try:
+                report.append(f"sent {span_count(trace)} spans to {send(trace, endpoint)}")
+            except SpanExportError as e:
+                raise CommandError(str(e)) from None
+    if out == "-":
+        sys.stdout.writelines(line + "\n" for line in lines)
+    elif out is not None or endpoint is None:
+        folder = Path(out or ".")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"session-{session}.{fmt.replace('-', '.')}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.writelines(line + "\n" for line in lines)
+        report.append(f"wrote {path}")
+    return report
 
 
 def media_put(socket_path: Path | None, file: Path) -> str:
@@ -210,8 +237,9 @@ def run(command: str, args: Any) -> int:
         elif command == "session inspect":
             print(session_inspect(args.socket, args.id, args.json))
         elif command == "session export":
-            path = session_export(args.socket, args.id, args.out, args.include_content)
-            print(f"wrote {path}")
+            report = session_export(args.socket, args.id, args.format, args.include_content, args.out, args.endpoint)
+            for line in report:  # on stderr when the export itself goes to stdout
+                print(line, file=sys.stderr if args.out == "-" else sys.stdout)
         elif command == "media put":
             print(media_put(args.socket, args.file))
         elif command == "media gc":

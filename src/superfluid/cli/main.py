@@ -311,14 +311,29 @@ def _client_commands(commands: Any) -> None:
     export = with_socket(
         verbs.add_parser(
             "export",
-            help="write a session's events to session-<id>.jsonl (mode 0600)",
-            description="Write one JSON line per event. Texts, spans and arguments are left out (their sizes are"
-            " kept) unless --include-content; included content has API keys and private keys redacted.",
+            help="write a session's events to session-<id>.jsonl, or its spans to session-<id>.otlp.jsonl (mode 0600)",
+            description="Write one JSON line per event (jsonl), or the session as OpenTelemetry spans (otlp-jsonl:"
+            " one OTLP/JSON ExportTraceServiceRequest a line, as the collector's file exporter writes), and send"
+            " the spans to an OTLP/HTTP collector with --endpoint. Texts, spans and arguments are left out (their"
+            " sizes are kept) unless --include-content; included content has API keys and private keys redacted.",
         )
     )
     export.add_argument("id", type=int, help="session id")
-    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
-    export.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help="directory to write to (default: .)")
+    export.add_argument(
+        "--format", choices=["jsonl", "otlp-jsonl"], default="jsonl", help="output format (default: jsonl)"
+    )
+    export.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="directory to write to, or - for stdout (default: ., or nothing with --endpoint)",
+    )
+    export.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="send the spans to the OTLP/HTTP collector at URL (POST URL/v1/traces); needs --format otlp-jsonl",
+    )
     export.add_argument("--include-content", action="store_true", help="keep texts, spans and arguments")
 
     media = commands.add_parser("media", help="the daemon's media store")

@@ -23,6 +23,7 @@ from ..metrics import Metrics
 from ..store.leases import LeaseTiming, daemon_id
 from ..store.postgres import PostgresLog, open_log, redacted
 from ..store.sessions import SessionStore
+from ..telemetry.otlp import OtlpSettings, Telemetry
 from ..transports.addresses import reachable
 from ..transports.socket import SocketServer
 
@@ -34,14 +35,14 @@ log = logging.getLogger("superfluid")
 IDLE_CHECK_S = 5.0
 
 
-# the HTTP listeners' modules (FastAPI, pydantic, uvicorn: about 0.4 s to import) load on a
-# thread while the models load, which mostly waits for the worker process
+# the HTTP listeners' modules (FastAPI, pydantic, uvicorn: about 0.4 s to import), and the OpenTelemetry
+# SDK's with --otlp-endpoint, load on a thread while the models load, which mostly waits for the worker process
 HTTP_MODULES = ("superfluid.transports.http", "superfluid.transports.web", "superfluid.api.chat_http")
 
 
-def _import_http() -> threading.Thread:
+def _import_http(more: tuple[str, ...] = ()) -> threading.Thread:
     def load() -> None:
-        for name in HTTP_MODULES:
+        for name in HTTP_MODULES + more:
             importlib.import_module(name)
 
     thread = threading.Thread(target=load, name="superfluid-imports", daemon=True)
@@ -73,10 +74,12 @@ def notify(address: str | None, state: str) -> None:
 
 async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     supervisor = notify_socket()
+    # checked before anything loads: a bad $OTEL_EXPORTER_OTLP_PROTOCOL stops the start here
+    otlp = OtlpSettings.resolve(config.otlp_endpoint, config.otlp_protocol, config.otlp_service_name)
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
-    imports = _import_http()
+    imports = _import_http(otlp.modules if otlp is not None else ())
     models = Models(config)
     refs: list[str | None] = [*config.models] or [None]  # None: the embedded model
     for ref in refs:
@@ -87,7 +90,8 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     address = config.advertise or f"unix:{socket.gethostname()}:{config.socket}"
     shared = open_log(config.store, address, timing, daemon_id(config.sessions)) if config.store else None
     store = SessionStore(config.sessions, shared)
-    daemon = Daemon(store, models, metrics=Metrics())
+    metrics = Metrics()
+    daemon = Daemon(store, models, metrics=metrics)
     try:
         for model_id in list(models.known):  # every model named at start is loaded at start
             models.runtime(model_id)
@@ -96,6 +100,8 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         store.close()
         raise
     imports.join()
+    telemetry = Telemetry.start(otlp, metrics) if otlp is not None else None
+    tracing = telemetry.tracing if telemetry is not None else None
     from ..api.chat_http import HttpPolicy
     from ..transports.forward import Forwarder
     from ..transports.http import ApiServer
@@ -113,11 +119,13 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         Forwarder(daemon_id(config.sessions), web_token) if store.leases is not None and config.forward else None
     )
     if config.web:  # before the socket: a session leased from here on names this daemon's address
-        web_server = WebServer(daemon, config.web, web_token, config.web_origins, shared_token is not None, forwarder)
+        web_server = WebServer(
+            daemon, config.web, web_token, config.web_origins, shared_token is not None, forwarder, tracing
+        )
         url = await web_server.start()
         if store.leases is not None and not config.advertise:
             store.leases.address = reachable(url)
-    socket_server = SocketServer(daemon, config.socket, forwarder)
+    socket_server = SocketServer(daemon, config.socket, forwarder, tracing)
     await socket_server.start()
     api_server = None
     if not config.no_http:
@@ -138,6 +146,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
             config.cors_origins,
             web_token,
             forwarder,
+            tracing,
         )
         api_url = await api_server.start()
         if store.leases is not None:  # where the other daemons forward HTTP requests for this one's sessions
@@ -202,6 +211,8 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         if forwarder is not None:
             await forwarder.close()
         daemon.stop()
+        if telemetry is not None:  # after the daemon: the generations it ended have their lines and spans
+            telemetry.stop()
         store.close()
     return 0
 

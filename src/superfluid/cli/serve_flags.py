@@ -31,6 +31,7 @@ from ..config import (
 from ..logsetup import parse_directive
 from ..model.dialects import DIALECTS, NAMES
 from ..protocol.schema import QOS_ALIASES, qos_class
+from ..telemetry.otlp import DEFAULT_PROTOCOL, DEFAULT_SERVICE_NAME, PROTOCOLS, check_endpoint
 from ..transports.addresses import split_address
 from ..transports.cors import check_origin
 
@@ -197,6 +198,13 @@ def _store_url(text: str) -> str:
 
 
 _draft_tokens = _integer(1, 15)
+
+
+def _otlp_endpoint(text: str) -> str:
+    try:
+        return check_endpoint(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _class_lanes(text: str) -> dict[int, int]:
@@ -631,6 +639,27 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "no prompt or reply text is ever logged",
     )
     logging.add_argument(
+        "--otlp-endpoint",
+        type=_otlp_endpoint,
+        default=None,
+        metavar="URL",
+        help="send a trace of every request and the metrics of /metrics to this OpenTelemetry collector, such as "
+        "http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else none)",
+    )
+    logging.add_argument(
+        "--otlp-protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help=f"how --otlp-endpoint is spoken to: {' or '.join(PROTOCOLS)} "
+        f"(default: $OTEL_EXPORTER_OTLP_PROTOCOL, else {DEFAULT_PROTOCOL})",
+    )
+    logging.add_argument(
+        "--otlp-service-name",
+        default=None,
+        metavar="NAME",
+        help=f"the service.name of the traces and metrics (default: $OTEL_SERVICE_NAME, else {DEFAULT_SERVICE_NAME})",
+    )
+    logging.add_argument(
         "--tui",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -759,6 +788,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         drain_timeout=args.drain_timeout,
         log_file=args.log_file,
         log_dir=args.log_dir,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_protocol=args.otlp_protocol,
+        otlp_service_name=args.otlp_service_name,
         tui=sys.stdout.isatty() if args.tui is None else args.tui,
         store=args.store,
         advertise=args.advertise,

@@ -127,6 +127,8 @@ class GenerationRun:
         self.submitted = time.monotonic()
         self.first_commit: float | None = None
         self.scheduler: Scheduler | None = None  # the one its job was submitted to
+        # told on the committer thread that the run ended, before its caller is (an access log line waits for it)
+        self.on_done: Callable[[GenerationRun], None] | None = None
 
     def cancel(self) -> None:
         """Stop the generation at the next step (it ends with finish 4)."""
@@ -247,6 +249,8 @@ class GenerationRun:
         error = (self.error or "generation failed") if self.finish == FINISH_ERROR else None
         job = self.job
         drafts = (job.spec_proposed, job.spec_accepted)
+        if self.on_done is not None:
+            self.on_done(self)
         self.listener.put(Done(list(self.delivered), job.generated, self.finish or 0, job.warm_prefix, error, drafts))
 
 
@@ -299,8 +303,13 @@ class Generations:
             if not batch:
                 continue
             self.metrics.commit_seconds.observe(time.perf_counter() - started)
+            committed = time.time_ns()
             offset = 0
             for run, bodies, final in batch:
+                times = run.job.times
+                if times is not None:
+                    times.commits += 1
+                    times.committed = committed
                 if run.first_commit is None and bodies:
                     run.first_commit = time.monotonic()
                     self.metrics.ttft_seconds.observe(run.first_commit - run.submitted)

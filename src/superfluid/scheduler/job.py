@@ -1,7 +1,9 @@
-"""A generation as the scheduler runs it: the `Job` a caller submits, the `Lane` it runs on, the sink it feeds."""
+"""A generation as the scheduler runs it: the `Job` a caller submits, the `Lane` it runs on, the sink it feeds,
+and the times of its phases (`JobTimes`) for its access log line and its trace."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +17,31 @@ class JobSink(Protocol):
     def tokens(self, job: Job, tokens: list[int]) -> None: ...
 
     def finished(self, job: Job, finish: int, error: str | None) -> None: ...
+
+
+# prefill steps a traced job keeps (an 8k prompt in 64-token steps): its spans are made on the event loop at once
+CHUNKS_KEPT = 128
+
+
+@dataclass(eq=False)
+class JobTimes:
+    """When a job's phases happened, in nanoseconds since the epoch (0: not yet), stamped by the threads
+    that see them: the scheduler (submitted, admitted, first token, finished, each prefill step) and the
+    committer (its commits). A few clock reads a job, none a step unless `chunks` is kept (a traced job)."""
+
+    submitted: int = 0
+    admitted: int = 0
+    first_token: int = 0
+    finished: int = 0
+    committed: int = 0  # its last commit was durable
+    commits: int = 0
+    chunks: list[tuple[int, int, int]] | None = None  # (start, end, tokens) of each prefill step it ran in
+
+    def prefilled(self, seconds: float, tokens: int) -> None:
+        """A step that just ended, `seconds` long, prefilled `tokens` of this job."""
+        if self.chunks is not None and len(self.chunks) < CHUNKS_KEPT:
+            end = time.time_ns()
+            self.chunks.append((end - int(seconds * 1e9), end, tokens))
 
 
 @dataclass(eq=False)
@@ -49,6 +76,7 @@ class Job:
     drafter_handle: int = 0  # its prompt lookup in the engine, under --speculate
     spec_proposed: int = 0  # drafted tokens put into its decodes
     spec_accepted: int = 0  # of them, those it would have drawn anyway
+    times: JobTimes | None = None  # stamped when its caller logs or traces it
 
 
 @dataclass(eq=False)

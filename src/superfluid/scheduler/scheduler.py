@@ -171,6 +171,8 @@ class Scheduler:
             job.qos = min(max(job.qos, 0), QOS_CLASSES - 1)
             job.queued_at = self.stats.steps
             job.submitted = time.monotonic()
+            if job.times is not None:
+                job.times.submitted = time.time_ns()
             job.order = next(self._order)
             if job.qos <= QOS_COMPLETION:
                 self.pace.urgent()
@@ -459,6 +461,8 @@ class Scheduler:
             self.stats.cold_admissions += length == 0
             self.stats.tier_hits[TIERS.index(place.tier)] += 1
             job.admitted = True
+            if job.times is not None:
+                job.times.admitted = time.time_ns()
         feed = list(job.tokens[length:])
         if job.prefill_only:
             feed = feed[:-1]
@@ -557,6 +561,8 @@ class Scheduler:
                 self.stats.decode_tokens += len(chunk)
             else:
                 self.stats.prefill_tokens += len(chunk)
+                if lane.job.times is not None:
+                    lane.job.times.prefilled(took, len(chunk))
         for lane, index in owners:
             for i, token in enumerate(drawn[index]):
                 if i:
@@ -636,6 +642,8 @@ class Scheduler:
         job.generated += 1
         if job.generated == 1:
             self.stats.last_ttft_seconds = time.monotonic() - job.submitted
+            if job.times is not None:
+                job.times.first_token = time.time_ns()
         if logprobs is not None:
             job.logprobs.append(logprobs)
         job.sink.tokens(job, [token])
@@ -669,6 +677,8 @@ class Scheduler:
 
     def _finish(self, job: Job, finish: int, error: str | None = None) -> None:
         job.done = True
+        if job.times is not None:
+            job.times.finished = time.time_ns()
         grammar, shaping, drafter = job.grammar_handle, job.shaping_handle, job.drafter_handle
         job.grammar_handle = job.shaping_handle = job.drafter_handle = 0
         try:

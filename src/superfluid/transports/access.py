@@ -58,6 +58,7 @@ OPEN_PATHS = {HEALTH_PATH}  # never keyed or metered; health says 503 while drai
 WEB_PREFIX = "/web"  # the browser UI's routes on a loopback listener: the web token guards them
 UNMETERED_PATHS = {"/health", "/metrics", "/v1/metrics"}  # keyed, but outside rate limits and slots
 STATE_KEY = "superfluid_key"  # where the gate leaves a request's key, in the ASGI scope's state
+REFUSED_KEY = "superfluid_refused_key"  # where it leaves the name of a valid key it refused (a rate, a limit)
 GLOBAL_KEY = "api-key"  # the name `--api-key` has in metrics
 PEERS_KEPT = 4096  # client IPs metered before the buckets that filled up again are dropped
 
@@ -72,6 +73,7 @@ class Refusal:
     status: int
     body: dict[str, Any]
     headers: list[tuple[bytes, bytes]]
+    key_name: str | None  # the key the request came with, when it was a valid one
 
 
 class PolicyError(ValueError):
@@ -235,6 +237,7 @@ class AccessGate:
             return
         refusal, key = self._admit(scope)
         if refusal is not None:
+            scope.setdefault("state", {})[REFUSED_KEY] = refusal.key_name
             body = refusal.body
             if anthropic_errors.is_anthropic(scope["path"]):  # Anthropic's clients read their own error shape
                 body = anthropic_errors.body(body["error"]["message"], refusal.status)
@@ -306,7 +309,7 @@ class AccessGate:
         if retry_after_s is not None:
             headers.append((b"retry-after", retry_after_header(retry_after_s).encode()))
         body = {"error": {"message": message, "type": ERROR_TYPES[status], "param": None, "code": code}}
-        return Refusal(status, body, headers), None
+        return Refusal(status, body, headers, None if name == "-" else name), None
 
     def _find(self, presented: bytes) -> Key | bool | None:
         """The policy key with this digest, True for the global key, None for neither; every

@@ -3,7 +3,7 @@
 Requests run strictly one at a time, in order: a Generate streams its `Delta` frames
 and its `Generated` summary before the next request starts. Subscriptions deliver on
 their own tasks, so their frames interleave with other replies; the transport's `send`
-writes each frame whole.
+writes each frame whole. Each Generate has an access line (and a trace, with `tracing`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from ..core.errors import REFUSED, refusal
 from ..core.generation import Committed, Done
 from ..core.verbs.generate import Generation
 from ..protocol.schema import Request, Response
+from ..telemetry.access_log import AccessRecord, following
 from .ratelimit import TokenBucket, retry_after_ms
 
-if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path
+if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path, the SDK with tracing
+    from ..telemetry.tracing import Tracing
     from .forward import Forwarder
 
 log = logging.getLogger("superfluid.transport")
@@ -32,10 +34,19 @@ Send = Callable[[Response], Awaitable[None]]
 class Connection:
     """Runs one connection's requests against the daemon."""
 
-    def __init__(self, daemon: Daemon, send: Send, forwarder: Forwarder | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        send: Send,
+        forwarder: Forwarder | None = None,
+        transport: str = "socket",
+        tracing: Tracing | None = None,
+    ) -> None:
         self.daemon = daemon
         self.send = send
         self.forwarder = forwarder  # a session another daemon of the store serves is asked of it
+        self.transport = transport  # socket or ws, in access lines
+        self.tracing = tracing
         self.completions = TokenBucket()
         self._subs: dict[int, tuple[Subscription, asyncio.Task[None]]] = {}
         self._generation: Generation | None = None
@@ -64,14 +75,29 @@ class Connection:
         )
 
     async def _generate(self, request: Request.Generate) -> None:
+        record = AccessRecord(self.transport, "Generate")
+        record.session = request.session
+        if self.tracing is not None:
+            attributes = {"rpc.system": "superfluid", "rpc.method": "Generate"}
+            record.trace = self.tracing.begin("Generate", record.started, attributes=attributes)
+        with following(record):
+            try:
+                await self._run(request, record)
+            except (ConnectionError, asyncio.CancelledError):  # the client went away mid-stream
+                record.disconnected = True
+                raise
+
+    async def _run(self, request: Request.Generate, record: AccessRecord) -> None:
         try:
             generation = await self.daemon.generate(request, provisional=False)
         except REFUSED as e:
             refused = refusal(e)
             if self.forwarder is None or not self._forwardable(refused):
+                record.refused = True
                 await self.send(refused)
                 return
             async for reply in self.forwarder.generate(request, refused):
+                record.refused = not isinstance(reply, (Response.Delta, Response.Generated))
                 await self.send(reply)
             return
         self._generation = generation

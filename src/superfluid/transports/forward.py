@@ -14,7 +14,9 @@ The session API's clients on the socket (and the WebSocket) are served the same 
 the owner's /web/rpc and /web/stream, with the web token the daemons of a store share:
 `Forwarder.call` and `Forwarder.generate` turn a request into the owner's JSON and its answer
 back into the protocol's replies. An owner out of reach (dead, or paused, before its lease
-runs out) leaves the refusal as it was: `Elsewhere`, which a client retries.
+runs out) leaves the refusal as it was: `Elsewhere`, which a client retries. The request's access
+line names the owner (`forwarded_to`), and when it is traced, the hop is a `forward` span whose
+`traceparent` goes to the owner, so the owner's spans join the caller's trace.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..protocol import jsoncodec
 from ..protocol.schema import EventMsg
 from ..protocol.schema import Request as SessionRequest
 from ..protocol.schema import Response as Reply
+from ..telemetry.access_log import Hop, current
 
 log = logging.getLogger("superfluid.forward")
 
@@ -59,6 +62,12 @@ def _headers(headers: Mapping[str, str], **extra: str) -> dict[str, str]:
     return {**kept, **extra}
 
 
+def _hop(owner: str) -> Hop:
+    """The hop of the current request to `owner` (one without an access record is not followed)."""
+    record = current()
+    return record.hop(owner) if record is not None else Hop({}, lambda: None)
+
+
 class Forwarder:
     """Sends requests on to the daemons that own their sessions, over one pool of connections."""
 
@@ -76,15 +85,17 @@ class Forwarder:
     async def send(self, request: Request, body: bytes, owner: str) -> Response:
         """The owner's answer to `request` (whose `body` was read already); 503 when the owner is out of reach."""
         url = owner.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        hop = _hop(owner)
         outgoing = self._client.build_request(
             request.method,
             url,
             content=body,
-            headers=_headers(request.headers, **{FORWARDED_HEADER: self.daemon_id}),
+            headers=_headers(request.headers, **{FORWARDED_HEADER: self.daemon_id}, **hop.headers),
         )
         try:
             upstream = await self._client.send(outgoing, stream=True)
         except httpx.HTTPError as e:
+            hop.end()
             log.warning("forwarding %s %s to %s failed: %s", request.method, request.url.path, owner, e)
             # 503 and Retry-After: a load balancer or a client tries again, and once the owner's lease runs
             # out, the daemon asked takes the session over
@@ -98,6 +109,7 @@ class Forwarder:
                     yield chunk
             finally:  # also when our client hangs up: the owner sees its client go
                 await upstream.aclose()
+                hop.end()
 
         return StreamingResponse(relay(), upstream.status_code, headers=_headers(upstream.headers))
 
@@ -129,6 +141,14 @@ class Forwarder:
     async def generate(self, request: Any, refused: Any) -> AsyncIterator[Any]:
         """The replies of a Generate the owner runs (its /web/stream): Deltas, then Generated or Err;
         `refused` alone when the owner cannot be asked."""
+        hop = _hop(refused.address)
+        try:
+            async for reply in self._stream(request, refused, hop.headers):
+                yield reply
+        finally:
+            hop.end()
+
+    async def _stream(self, request: Any, refused: Any, trace_headers: dict[str, str]) -> AsyncIterator[Any]:
         body = {
             "session": request.session,
             "max_tokens": request.max_tokens,
@@ -138,10 +158,9 @@ class Forwarder:
         events: list[EventMsg] = []
         url = f"{refused.address.rstrip('/')}/web/stream"
         timeout = httpx.Timeout(GENERATING_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        headers = {**self._session_headers(), **trace_headers}
         try:
-            async with self._client.stream(
-                "POST", url, json=body, headers=self._session_headers(), timeout=timeout
-            ) as answer:
+            async with self._client.stream("POST", url, json=body, headers=headers, timeout=timeout) as answer:
                 if answer.status_code != 200:
                     yield jsoncodec.loads(await answer.aread(), Reply)
                     return

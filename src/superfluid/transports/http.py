@@ -9,7 +9,8 @@ token printed at start otherwise.
 Also `GET /health`, `GET /metrics`, embeddings (`embeddings.py`), the status and
 tokenizer routes (`status.py`), and OpenAI's files and batches (`files.py`, `batches.py`:
 the batches' runner starts and stops with this listener). Keys, rate limits and draining
-are `access.py`'s.
+are `access.py`'s. Every request, refused ones included, has an access line
+(`telemetry/access_log.py`), and with `--otlp-endpoint` a trace.
 Requests from a web page of another site are
 refused (an `Origin` that is not this machine gets 403) unless `--cors-origin` lists it
 (`cors.py`), and a loopback listener answers only loopback `Host` names, so a page cannot
@@ -19,7 +20,7 @@ reach it through DNS rebinding.
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -42,13 +43,17 @@ from ..api import (
 from ..api.chat_http import FORWARD_STATE, HttpPolicy, problems
 from ..core.daemon import Daemon
 from ..core.errors import SessionElsewhere
-from .access import AccessGate, Key
+from ..telemetry.access_log import AccessLog
+from .access import GLOBAL_KEY, REFUSED_KEY, STATE_KEY, AccessGate, Key, Scope
 from .addresses import split_address
 from .cors import Cors, CorsOrigins
 from .forward import Forwarder, forwarded
 from .listener import HttpListener
 from .web import create_app as create_web_app
 from .web import own_origins
+
+if TYPE_CHECKING:  # the SDK loads with tracing only
+    from ..telemetry.tracing import Tracing
 
 BODY_LIMIT = 100 << 20
 # routes that may need a session another daemon of the store serves (a chain of responses), and
@@ -180,13 +185,14 @@ class ApiServer(HttpListener):
         cors_origins: list[str] | None = None,
         web_token: str | None = None,
         forwarder: Forwarder | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         host, port = split_address(address)
         loopback = _loopback_name(host)
         cors = CorsOrigins(cors_origins or [])
         keyed = bool(api_key or keys)
         # the UI on this port: loopback only, as `--web`; signed in at once where the API takes no key
-        self.web = create_web_app(daemon, web_token, [], forwarder) if web_token and loopback else None
+        self.web = create_web_app(daemon, web_token, [], forwarder, tracing) if web_token and loopback else None
         self.page = f"/web/#token={web_token}" if web_token else "/web/"
         # batches start no new request while the listener drains
         self.batches = batches.BatchRunner(daemon, lambda: self.gate.draining)
@@ -195,9 +201,19 @@ class ApiServer(HttpListener):
         )
         self.gate = AccessGate(app, api_key, keys or [], rate_limit_rpm)
         daemon.metrics.watch_gate(self.gate)
-        # outside the keys: a preflight carries none, and a page must be able to read a 401
-        super().__init__(Cors(self.gate, cors) if cors else self.gate, host, port, "the HTTP API")
+        # outside the keys: a preflight carries none, and a page must be able to read a 401; the access
+        # log outside everything, so that refusals have their lines too
+        app_with_cors = Cors(self.gate, cors) if cors else self.gate
+        super().__init__(AccessLog(app_with_cors, tracing, self.key_name), host, port, "the HTTP API")
         self.loopback = loopback
+
+    def key_name(self, scope: Scope) -> str | None:
+        """The name of the key a request came with; None with keys off, or without a valid key."""
+        state = scope.get("state", {})
+        if STATE_KEY not in state:
+            return state.get(REFUSED_KEY)
+        key = state[STATE_KEY]
+        return key.name if key is not None else GLOBAL_KEY if self.gate.keyed else None
 
     async def start(self) -> str:
         await self.batches.start()  # before the routes answer: they read the batches it loads

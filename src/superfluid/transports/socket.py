@@ -22,7 +22,8 @@ from ..protocol import postcard
 from ..protocol.schema import Request, Response
 from .connection import Connection
 
-if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path
+if TYPE_CHECKING:  # httpx and starlette load with the HTTP listeners, off the start's path, the SDK with tracing
+    from ..telemetry.tracing import Tracing
     from .forward import Forwarder
 
 log = logging.getLogger("superfluid.socket")
@@ -32,10 +33,13 @@ UNIX_PATH_MAX = 108  # sun_path on Linux, terminator included
 class SocketServer:
     """Serves the session API on a unix socket."""
 
-    def __init__(self, daemon: Daemon, path: Path, forwarder: Forwarder | None = None) -> None:
+    def __init__(
+        self, daemon: Daemon, path: Path, forwarder: Forwarder | None = None, tracing: Tracing | None = None
+    ) -> None:
         self.daemon = daemon
         self.path = path
         self.forwarder = forwarder
+        self.tracing = tracing
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -77,7 +81,7 @@ class SocketServer:
                 writer.write(len(payload).to_bytes(4, "little") + payload)
                 await writer.drain()
 
-        connection = Connection(self.daemon, send, self.forwarder)
+        connection = Connection(self.daemon, send, self.forwarder, "socket", self.tracing)
         try:
             while True:
                 request = await _read_frame(reader)

@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.requests import Request as HttpRequest
@@ -44,11 +44,15 @@ from ..protocol import jsoncodec
 from ..protocol.schema import Request
 from ..protocol.schema import Response as Reply
 from ..protocol.types import U32, U64, Struct
+from ..telemetry.access_log import AccessLog
 from .addresses import LOOPBACK_HOSTS, parse_web_address
 from .connection import Connection
 from .forward import Forwarder, forwarded
 from .listener import HttpListener
 from .ratelimit import TokenBucket, retry_after_header, retry_after_ms
+
+if TYPE_CHECKING:  # the SDK loads with tracing only
+    from ..telemetry.tracing import Tracing
 
 log = logging.getLogger("superfluid.web")
 
@@ -195,9 +199,16 @@ def own_origins(port: int) -> list[str]:
     return [f"http://{host}:{port}" for host in LOOPBACK_HOSTS]
 
 
-def create_app(daemon: Daemon, token: str, origins: list[str], forwarder: Forwarder | None = None) -> FastAPI:
+def create_app(
+    daemon: Daemon,
+    token: str,
+    origins: list[str],
+    forwarder: Forwarder | None = None,
+    tracing: Tracing | None = None,
+) -> FastAPI:
     """The /web/* routes over one daemon; with a `forwarder`, a request for a session another daemon
-    serves is answered by that daemon (`forward.py`) rather than refused with its address."""
+    serves is answered by that daemon (`forward.py`) rather than refused with its address; with `tracing`,
+    each WebSocket generation is traced."""
     app = FastAPI(title="superfluid session API (browser transport)", docs_url=None, redoc_url=None)
     auth = WebAuth(token, origins)
     app.state.auth = auth
@@ -297,7 +308,7 @@ def create_app(daemon: Daemon, token: str, origins: list[str], forwarder: Forwar
             await websocket.send_denial_response(refused)
             return
         await websocket.accept(subprotocol=PROTOCOL if offered else None)
-        await _serve_websocket(daemon, websocket, forwarder)
+        await _serve_websocket(daemon, websocket, forwarder, tracing)
 
     return app
 
@@ -344,7 +355,9 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
             generation.cancel()
 
 
-async def _serve_websocket(daemon: Daemon, websocket: WebSocket, forwarder: Forwarder | None) -> None:
+async def _serve_websocket(
+    daemon: Daemon, websocket: WebSocket, forwarder: Forwarder | None, tracing: Tracing | None
+) -> None:
     """Requests in order, one reply per text frame; bad frames get an Err and the socket stays open."""
     send_lock = asyncio.Lock()
 
@@ -352,7 +365,7 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket, forwarder: Forw
         async with send_lock:
             await websocket.send_text(jsoncodec.dumps(reply, Reply))
 
-    connection = Connection(daemon, send, forwarder)
+    connection = Connection(daemon, send, forwarder, "ws", tracing)
     inbound: asyncio.Queue[Any] = asyncio.Queue(WS_INBOUND_QUEUE)
 
     async def read() -> None:
@@ -390,7 +403,8 @@ async def _serve_websocket(daemon: Daemon, websocket: WebSocket, forwarder: Forw
 
 
 class WebServer(HttpListener):
-    """The /web/* app on a loopback address (any address for daemons sharing a store)."""
+    """The /web/* app on a loopback address (any address for daemons sharing a store), each request with its
+    access line (`telemetry/access_log.py`)."""
 
     def __init__(
         self,
@@ -400,11 +414,12 @@ class WebServer(HttpListener):
         origins: list[str],
         anywhere: bool = False,
         forwarder: Forwarder | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         host, port = parse_web_address(address, anywhere)
         self.token = token
-        self.app = create_app(daemon, token, origins, forwarder)
-        super().__init__(self.app, host, port, "the browser transport")
+        self.app = create_app(daemon, token, origins, forwarder, tracing)
+        super().__init__(AccessLog(self.app, tracing), host, port, "the browser transport")
 
     async def start(self) -> str:
         url = await super().start()

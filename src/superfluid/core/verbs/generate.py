@@ -3,7 +3,8 @@
 `generate` is the one way a generation starts: it checks the grammar and the context window,
 commits the turn's opener on the daemon's writer thread (never on the event loop), and submits
 the job; its outcomes come back through a `Generation`. HTTP streams what is sampled at once
-(provisional: a crash may still lose it), the socket only what is committed.
+(provisional: a crash may still lose it), the socket only what is committed. A generation started
+for a request that has an access line (`telemetry.access_log.current`) is attached to it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ...protocol.schema import (
 )
 from ...scheduler.job import Job
 from ...store.state import SessionState
+from ...telemetry.access_log import AccessRecord, current
 from ..errors import DaemonError, check_fits
 from ..fim import FimError, check_fim, fim_prompt, fim_runtime
 from ..generation import Done, GenerationRun, Outcome
@@ -232,7 +234,8 @@ class GenerationVerbs(DaemonBase):
         `shaping` (the HTTP APIs' logit bias, penalties and log probabilities) applies to this generation only.
         """
         listener = QueueListener(asyncio.get_running_loop())
-        return await self.written(self._start, req, listener, provisional, grammar, runtime, shaping)
+        record = current()  # read here, in the request's context: the writer thread has none
+        return await self.written(self._start, req, listener, provisional, grammar, runtime, shaping, record)
 
     def _start(
         self,
@@ -242,6 +245,7 @@ class GenerationVerbs(DaemonBase):
         grammar: str | None,
         runtime: Runtime | None,
         shaping: Shaping | None,
+        record: AccessRecord | None,
     ) -> Generation:
         runtime = runtime or self.runtime
         model, template, window = runtime.model, runtime.template, runtime.window
@@ -295,6 +299,8 @@ class GenerationVerbs(DaemonBase):
             self.running[s.id] = run
             self.generations.add(run)
             self.metrics.generations.inc()
+            if record is not None:
+                record.attach(run, runtime.id)
         scheduler.submit(job)
         return Generation(listener, lambda: scheduler.cancel(job), job=job)
 
