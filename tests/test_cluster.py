@@ -186,6 +186,10 @@ def test_a_request_for_a_session_served_elsewhere_is_answered_by_its_owner(daemo
         deltas, summary = forced(c, session, 5)
     assert summary.tokens_generated == 5 and summary.events == deltas
     assert events_of(a, session)[-len(deltas) :] == deltas, "a committed what b's client was sent"
+    # b's access log names where it sent them
+    access = b.log.read_text()
+    assert f"POST /web/stream 200 forwarded_to={a.url} " in access, access[-2000:]
+    assert f"socket Generate ok session={session} forwarded_to={a.url} " in access, access[-2000:]
 
     # a client of b that hangs up frees a's lane
     long = {"session": session, "max_tokens": 1500, "ignore_eos": True}
