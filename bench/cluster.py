@@ -414,8 +414,8 @@ def warm_takeover_row(root: Path, threads: int, pg: PostgresCluster, trials: int
 CHATS, CHAT_TOKENS = 16, 64
 
 
-def through_haproxy(url: str, tag: str) -> float:
-    """Tokens/s of CHATS concurrent forced chats of CHAT_TOKENS tokens sent to `url`."""
+def through_haproxy(url: str, tag: str, chats: int = CHATS) -> float:
+    """Tokens/s of `chats` concurrent forced chats of CHAT_TOKENS tokens sent to `url`."""
     done: list[int] = []
 
     def chat(i: int) -> None:
@@ -430,64 +430,79 @@ def through_haproxy(url: str, tag: str) -> float:
         reply.raise_for_status()
         done.append(reply.json()["usage"]["completion_tokens"])
 
-    workers = [threading.Thread(target=chat, args=(i,)) for i in range(CHATS)]
+    workers = [threading.Thread(target=chat, args=(i,)) for i in range(chats)]
     started = time.perf_counter()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     seconds = time.perf_counter() - started
-    if len(done) != CHATS:
-        raise RuntimeError(f"{CHATS - len(done)} of {CHATS} chats failed")
+    if len(done) != chats:
+        raise RuntimeError(f"{chats - len(done)} of {chats} chats failed")
     return sum(done) / seconds
 
 
-def haproxy_round(root: Path, threads: int, store: str, daemons: int, tag: str) -> float:
-    """Tokens/s of the chats through HAProxy in front of `daemons` daemons on `store`, sharing this
-    machine's `threads` between them: llama.cpp's threads spin while they wait, so two daemons of two
-    threads each on two cores ran 26 times slower than one (6.7 against 174.5 tok/s)."""
-    share = str(max(1, threads // daemons))
+def haproxy_round(root: Path, threads: int, store: str, daemons: int, tag: str, chats: int = CHATS) -> float:
+    """Tokens/s of `chats` chats through HAProxy in front of `daemons` daemons on `store`, sharing this
+    machine's `threads` between them, with lanes enough between them to run every chat at once (more
+    lanes than one daemon has would be a gain of their own). llama.cpp's threads spin while they wait, so
+    two daemons of two threads each on two cores ran 26 times slower than one (6.7 against 174.5 tok/s)."""
+    share, lanes = str(max(1, threads // daemons)), -(-chats // daemons)
     servers = [
-        Superfluid(root / f"{tag}-{n}", WINDOW, LANES, "--threads", share, "--store", store).start()
+        Superfluid(root / f"{tag}-{n}", WINDOW, lanes, "--threads", share, "--store", store).start()
         for n in range(daemons)
     ]
     try:
         with HAProxy([f"127.0.0.1:{s.port}" for s in servers], root) as proxy:
-            through_haproxy(proxy.url, f"warm-{tag}")  # a first run's one-off costs are not steady state
-            return through_haproxy(proxy.url, tag)
+            through_haproxy(proxy.url, f"warm-{tag}", chats)  # a first run's one-off costs are not steady state
+            return through_haproxy(proxy.url, tag, chats)
     finally:
         for server in servers:
             server.stop()
 
 
 def haproxy_rows(root: Path, threads: int, pg: PostgresCluster, rounds: int) -> list[Result]:
-    """16 concurrent chats through HAProxy over 1, 2 and 3 daemons, each figure over one daemon's."""
-    rates: dict[int, list[float]] = {n: [] for n in (1, 2, 3)}
+    """16 concurrent chats through HAProxy over 1, 2 and 3 daemons on this machine, each over one daemon's;
+    and what n machines would give: n times one daemon serving its share of the chats on the whole machine."""
+    shared: dict[int, list[float]] = {n: [] for n in (1, 2, 3)}
+    apart: dict[int, list[float]] = {n: [] for n in (2, 3)}
     for round_ in range(rounds):
-        for n in rates:
-            rates[n].append(haproxy_round(root, threads, pg.database(), n, f"{round_}-{n}"))
-            print(f"cluster: round {round_ + 1} of {rounds}, {n} daemon(s) behind haproxy: {rates[n][-1]:.1f} tok/s")
+        for n in shared:
+            shared[n].append(haproxy_round(root, threads, pg.database(), n, f"{round_}-{n}"))
+            print(f"cluster: round {round_ + 1} of {rounds}, {n} daemon(s) behind haproxy: {shared[n][-1]:.1f} tok/s")
+        for n in apart:
+            share = haproxy_round(root, threads, pg.database(), 1, f"{round_}-share-{n}", -(-CHATS // n))
+            apart[n].append(n * share)
+            print(f"cluster: round {round_ + 1} of {rounds}, one daemon with 1/{n} of the chats: {share:.1f} tok/s")
     rows = []
     for n in (2, 3):
-        ratios = [many / one for many, one in zip(rates[n], rates[1], strict=True)]
-        middle = median_round(ratios)
-        detail = (
-            f"{CHATS} concurrent chats of {CHAT_TOKENS} forced tokens through HAProxy: {rates[n][middle]:.1f} tok/s "
-            f"over {n} daemons against {rates[1][middle]:.1f} over one, the machine's {threads} threads shared "
-            f"between the daemons (ratios "
-            f"{', '.join(f'{r:.2f}' for r in ratios)}); daemons on machines of their own would add their own"
-        )
-        rows.append(
-            Result(
-                f"chats through HAProxy, {n} daemons / 1",
-                ratios[middle],
-                "(reported)",
-                True,
-                detail,
-                "x",
-                "one daemon behind HAProxy",
-                "higher",
-                rounds={f"{n} daemons tok/s": rates[n], "1 daemon tok/s": rates[1], "ratio": ratios},
+        for rates, name, how in (
+            (shared[n], f"chats through HAProxy, {n} daemons on this machine / 1", "on this machine's"),
+            (apart[n], f"chats through HAProxy, {n} machines (projected) / 1", "projected on machines of their own"),
+        ):
+            ratios = [many / one for many, one in zip(rates, shared[1], strict=True)]
+            middle = median_round(ratios)
+            how_measured = (
+                f"the {threads} threads shared between them"
+                if rates is shared[n]
+                else f"{n} times one daemon serving {-(-CHATS // n)} of the chats on the whole machine"
             )
-        )
+            detail = (
+                f"{CHATS} concurrent chats of {CHAT_TOKENS} forced tokens through HAProxy: {rates[middle]:.1f} tok/s "
+                f"over {n} daemons {how}, {how_measured}, against {shared[1][middle]:.1f} over one with "
+                f"{CHATS} lanes (ratios {', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+            rows.append(
+                Result(
+                    name,
+                    ratios[middle],
+                    "(reported)",
+                    True,
+                    detail,
+                    "x",
+                    "one daemon behind HAProxy",
+                    "higher",
+                    rounds={f"{n} daemons tok/s": rates, "1 daemon tok/s": shared[1], "ratio": ratios},
+                )
+            )
     return rows
