@@ -22,6 +22,33 @@ ARCH_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 endif
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF \
 	-DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
+
+# GPU builds (docs/deployment/gpu.md): `GPU=cuda` compiles llama.cpp for NVIDIA GPUs of the
+# architectures CUDA_ARCHS names (`native`: those present; or a list such as 90 or 80;90), `GPU=metal`
+# for Apple's, and `GPU=auto` picks CUDA where nvcc is found, else the CPU build. Both of llama.cpp's
+# builds get the backend: the wheel (the daemon's, and `--kernels exact`, which a GPU build refuses)
+# and the fast one the workers load, so a worker's layers go to the GPU whichever it runs. Their flags
+# name the wheel's cache and the peers' directory, so a GPU build never replaces the CPU one. Without
+# GPU, every name and flag above stays as it is.
+GPU ?=
+CUDA_ARCHS ?= native
+ifeq ($(GPU),auto)
+GPU_BUILD := $(if $(shell command -v nvcc 2>/dev/null),cuda,)
+else
+GPU_BUILD := $(GPU)
+endif
+ifeq ($(GPU_BUILD),cuda)
+GPU_CMAKE_ARGS := -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES='$(CUDA_ARCHS)'
+else ifeq ($(GPU_BUILD),metal)
+GPU_CMAKE_ARGS := -DGGML_METAL=ON
+else ifneq ($(GPU_BUILD),)
+$(error GPU=$(GPU): expected cuda, metal or auto)
+endif
+ifneq ($(GPU_BUILD),)
+LLAMA_CMAKE_ARGS += $(GPU_CMAKE_ARGS)
+GPU_TAG := -$(GPU_BUILD)-$(shell echo '$(GPU_CMAKE_ARGS)' | md5sum | cut -c1-6)
+STAMP := $(VENV)/.installed$(GPU_TAG)
+endif
 # The wheel is kept under a name made of its version, these flags and this CPU's features,
 # so a wheel compiled with other flags or for another CPU is never picked up again.
 CPU_ID := $(shell (uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo) | md5sum | cut -c1-10)
@@ -37,21 +64,25 @@ WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 # Our patches to that source (scripts/patches) are part of its name: a build from other
 # patches is never picked up again.
 PATCHES_ID := $(shell cat scripts/patches/*.patch | md5sum | cut -c1-6)
-PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(PATCHES_ID)-$(CPU_ID)
+PEERS := $(HOME)/.cache/superfluid/peers/$(LLAMA_VERSION)-$(PATCHES_ID)-$(CPU_ID)$(GPU_TAG)
 FAST_LIB := $(PEERS)/fast/bin/libllama.so
 ifeq ($(shell uname -m),aarch64)
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON
 else
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
 endif
+ifneq ($(GPU_BUILD),)
+FAST_CMAKE_ARGS += $(GPU_CMAKE_ARGS)
+endif
 
 .PHONY: serve test unit typecheck bench peers system-packages agents clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed*  # one build's stamp at a time: the wheel installed below replaces the other's
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
-		echo "compiling llama-cpp-python $(LLAMA_VERSION) for this CPU (a few minutes, once)"; \
+		echo "compiling llama-cpp-python $(LLAMA_VERSION) for this CPU$(if $(GPU_BUILD), and $(GPU_BUILD)) (a few minutes, once)"; \
 		mkdir -p $(WHEELS) && \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(NPROC) $(BIN)/pip wheel --quiet --no-deps \
 			--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_VERSION) -w $(WHEELS) || exit 1; \

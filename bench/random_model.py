@@ -1,6 +1,7 @@
 """A random-weight GGUF of the embedded model's architecture at a size people run, for the bench.
 
     .venv/bin/python bench/random_model.py --peers ~/.cache/superfluid/peers/<build>   # prints its path
+    .venv/bin/python bench/random_model.py --peers DIR --size 8b --weights f16          # for llama-quantize
 
 The embedded SmolLM2-135M decodes in a few milliseconds a token, where fixed costs per step
 dominate; the models people serve (0.5-8B) are bound by memory bandwidth instead. This writes
@@ -10,6 +11,11 @@ to Q4_1 like the embedded model's. Its text is noise and its cost is real: reque
 `ignore_eos`, so their lengths are fixed. The writer is llama.cpp's own `gguf-py`, from the
 source tree `make` unpacks next to the peers; the file is cached under
 `~/.cache/superfluid/models/`, named by its shape, and written once.
+
+`--size 8b` is Llama-3-8B's shape (4,096 wide, 32 layers, heads of 128, 8 KV heads) with
+SmolLM2's vocabulary: 7.2B parameters, for the GPU check (scripts/gpu_check.sh). Quantizing
+that many weights in numpy takes long, so it is written in f16 (`--weights f16`) and
+llama.cpp's `llama-quantize` makes it Q4_K_M.
 """
 
 from __future__ import annotations
@@ -36,18 +42,24 @@ class Shape:
     layers: int = 24
     ffn: int = 4096
     kv_heads: int = 8
+    head_dim: int = HEAD_DIM
 
     @property
     def heads(self) -> int:
-        return self.width // HEAD_DIM
+        return self.width // self.head_dim
 
     def parameters(self, vocab: int) -> int:
-        attention = 2 * self.width * self.width + 2 * self.width * self.kv_heads * HEAD_DIM
+        attention = 2 * self.width * self.width + 2 * self.width * self.kv_heads * self.head_dim
         return vocab * self.width + self.layers * (attention + 3 * self.width * self.ffn + 2 * self.width)
 
-    @property
-    def name(self) -> str:
-        return f"random-llama-w{self.width}-l{self.layers}-f{self.ffn}-kv{self.kv_heads}-q4_1"
+    def name(self, weights: str = "q4_1") -> str:
+        heads = "" if self.head_dim == HEAD_DIM else f"-h{self.head_dim}"
+        return f"random-llama-w{self.width}-l{self.layers}-f{self.ffn}-kv{self.kv_heads}{heads}-{weights}"
+
+
+# the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
+SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
+WEIGHTS = ("q4_1", "f16")  # numpy quantizes to Q4_1 itself; f16 is for llama-quantize
 
 
 def gguf_py(peers: Path) -> Any:
@@ -72,9 +84,9 @@ SHAPE_KEYS = (
 )
 
 
-def write(shape: Shape, peers: Path, source: Path, target: Path) -> None:
+def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = "q4_1") -> None:
     """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
-    weights drawn at random, quantized to Q4_1."""
+    weights drawn at random, quantized to Q4_1 or kept as f16 (`weights`)."""
     gguf = gguf_py(peers)
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
@@ -88,26 +100,30 @@ def write(shape: Shape, peers: Path, source: Path, target: Path) -> None:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub)
-    writer.add_name(shape.name)
+    writer.add_name(shape.name(weights))
     writer.add_embedding_length(shape.width)
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if weights == "q4_1" else gguf.LlamaFileType.MOSTLY_F16)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
     q4_1 = gguf.GGMLQuantizationType.Q4_1
 
     def matrix(name: str, rows: int, columns: int) -> None:
-        weights = rng.normal(0.0, 0.02, size=(rows, columns)).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(weights, q4_1), raw_dtype=q4_1)
+        if weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
+            drawn = rng.standard_normal(size=(rows, columns), dtype=np.float32) * np.float32(0.02)
+            writer.add_tensor(name, drawn.astype(np.float16))
+        else:
+            drawn = rng.normal(0.0, 0.02, size=(rows, columns)).astype(np.float32)
+            writer.add_tensor(name, gguf.quants.quantize(drawn, q4_1), raw_dtype=q4_1)
 
     def norm(name: str) -> None:
         writer.add_tensor(name, np.ones(shape.width, dtype=np.float32))
 
-    kv = shape.kv_heads * HEAD_DIM
+    kv = shape.kv_heads * shape.head_dim
     matrix("token_embd.weight", vocab, shape.width)  # tied: the output reads it too, as SmolLM2's does
     for layer in range(shape.layers):
         block = f"blk.{layer}"
@@ -128,17 +144,17 @@ def write(shape: Shape, peers: Path, source: Path, target: Path) -> None:
     target.with_suffix(".partial").rename(target)  # a file of this name is whole
 
 
-def random_model(peers: Path, shape: Shape = Shape(), cache: Path = CACHE) -> Path:
-    """The cached model of `shape`, written first if it is not there."""
+def random_model(peers: Path, shape: Shape = Shape(), cache: Path = CACHE, weights: str = "q4_1") -> Path:
+    """The cached model of `shape` with `weights` of that type, written first if it is not there."""
     from superfluid.model.resolve import embedded_model
 
-    target = cache / f"{shape.name}.gguf"
+    target = cache / f"{shape.name(weights)}.gguf"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         source = embedded_model().path
         started = time.monotonic()
         print(f"writing {target.name} (once): {source.name}'s architecture at this shape", file=sys.stderr)
-        write(shape, peers, source, target)
+        write(shape, peers, source, target, weights)
         size = target.stat().st_size / 1e6
         print(f"wrote {target} ({size:.0f} MB) in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return target
@@ -147,15 +163,22 @@ def random_model(peers: Path, shape: Shape = Shape(), cache: Path = CACHE) -> Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=Path, required=True, help="the Makefile's PEERS directory")
-    parser.add_argument("--width", type=int, default=Shape.width, help="n_embd (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=Shape.layers, help="blocks (default: %(default)s)")
-    parser.add_argument("--ffn", type=int, default=Shape.ffn, help="feed-forward width (default: %(default)s)")
-    parser.add_argument("--kv-heads", type=int, default=Shape.kv_heads, help="KV heads (default: %(default)s)")
+    parser.add_argument("--size", choices=SIZES, default="0.7b", help="a shape to start from (default: %(default)s)")
+    parser.add_argument("--width", type=int, help="n_embd (default: the size's)")
+    parser.add_argument("--layers", type=int, help="blocks (default: the size's)")
+    parser.add_argument("--ffn", type=int, help="feed-forward width (default: the size's)")
+    parser.add_argument("--kv-heads", type=int, help="KV heads (default: the size's)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="q4_1", help="their type (default: %(default)s)")
     args = parser.parse_args()
-    for name, value in (("width", args.width), ("ffn", args.ffn)):
-        if value <= 0 or value % HEAD_DIM:
-            parser.error(f"--{name} must be a positive multiple of {HEAD_DIM}, not {value}")
-    print(random_model(args.peers, Shape(args.width, args.layers, args.ffn, args.kv_heads)))
+    base = SIZES[args.size]
+    shape = Shape(
+        args.width or base.width, args.layers or base.layers, args.ffn or base.ffn, args.kv_heads or base.kv_heads,
+        base.head_dim,
+    )  # fmt: skip
+    for name, value in (("width", shape.width), ("ffn", shape.ffn)):
+        if value <= 0 or value % shape.head_dim:
+            parser.error(f"--{name} must be a positive multiple of {shape.head_dim}, not {value}")
+    print(random_model(args.peers, shape, weights=args.weights))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
                                                 # cluster, agents, engine-large, http-large, sustained
                                                 # or sustained-large
     .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
+    .venv/bin/python bench/run.py --only http --model M.gguf --gpu-layers all --results DIR
+                                                # the http section on a GGUF of one's own, on a GPU
+                                                # (scripts/gpu_check.sh), its figures kept apart
     .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
 Thirteen sections, one system driven at a time:
@@ -72,7 +75,7 @@ from agents import agent_figures
 from cluster import cluster_figures
 from peer import LlamaServer, Superfluid, batched_bench
 from random_model import Shape, random_model
-from record import SECTIONS, Result, median_round, save
+from record import RESULTS, SECTIONS, Result, median_round, save
 from spec import spec_figures
 from startup import startup_figures
 from sustained import sustained_section
@@ -707,26 +710,33 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
 
 
 def http_section(
-    peers: Path | None, quick: bool, threads: int, root: Path, rounds: int | None = None, model: Path | None = None
+    peers: Path | None,
+    quick: bool,
+    threads: int,
+    root: Path,
+    rounds: int | None = None,
+    model: Path | None = None,
+    gpu_layers: str | None = None,
 ) -> list[Result]:
-    """The HTTP figures against llama-server, on `model` (the embedded one when None)."""
+    """The HTTP figures against llama-server, on `model` (the embedded one when None), with `gpu_layers` of it
+    on the GPU in both systems where given (a GPU build: `--kernels exact` is refused there, and left out)."""
     window, lanes = 4096, 8
     model = model or embedded_model().path
-    served = (str(model),)
+    served = (str(model), *(("--gpu-layers", gpu_layers) if gpu_layers else ()))
     systems: dict[str, Callable[..., Superfluid | LlamaServer]] = {
         "superfluid": lambda tag, *extra: Superfluid(
             root / f"superfluid-{tag}", window, lanes, *served, "--threads", str(threads), *extra
         )
     }
     exact = (*served, "--threads", str(threads), "--kernels", "exact")
-    agent_systems = {
-        **systems,
-        "superfluid exact": lambda tag: Superfluid(root / f"exact-{tag}", window, lanes, *exact),
-    }
+    agent_systems = dict(systems)
+    if not gpu_layers:
+        agent_systems["superfluid exact"] = lambda tag: Superfluid(root / f"exact-{tag}", window, lanes, *exact)
+    offload = ("-ngl", "999" if gpu_layers == "all" else gpu_layers) if gpu_layers else ()
     server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
     if server_binary is not None and server_binary.exists():
         systems["llama-server"] = agent_systems["llama-server"] = lambda tag, *_: LlamaServer(
-            server_binary, model, root / f"llama-server-{tag}", lanes, window, threads
+            server_binary, model, root / f"llama-server-{tag}", lanes, window, threads, *offload
         )
     else:
         print("http: llama-server not built (make bench builds it); its column is left out", flush=True)
@@ -878,6 +888,8 @@ class Run:
     root: Path
     peers: Path | None
     fastest: dict[int, float] = field(default_factory=dict)  # engine's fastest decode, for socket
+    model: Path | None = None  # the http section's model; None: the embedded one
+    gpu_layers: str | None = None  # the http section's layers on the GPU, in both systems
 
 
 def run_engine(run: Run) -> list[Result]:
@@ -962,7 +974,9 @@ def run_sustained_large(run: Run) -> list[Result]:
 
 RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "engine": run_engine,
-    "http": lambda run: http_section(run.peers, run.quick, run.threads, run.root, run.rounds),
+    "http": lambda run: http_section(
+        run.peers, run.quick, run.threads, run.root, run.rounds, run.model, run.gpu_layers
+    ),
     "socket": lambda run: socket_section(run.quick, run.root, run.fastest, run.threads, run.rounds),
     "park": lambda run: park_section(run.root, run.threads, run.quick),
     "startup": run_startup,
@@ -990,17 +1004,23 @@ def main() -> int:
         help="rounds of each measure, in every section that repeats its measures (default: each section's own; "
         "engine and park measure once)",
     )
+    parser.add_argument("--model", type=Path, help="the http section's GGUF (default: the embedded model)")
+    parser.add_argument("--gpu-layers", metavar="N|all", help="the http section's layers on the GPU, in both systems")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the figures go (default: %(default)s)")
     args = parser.parse_args()
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     run = Run(args.quick, args.rounds, args.threads, Path(tempfile.mkdtemp(prefix="superfluid-bench-")), args.peers)
+    run.model, run.gpu_layers = args.model, args.gpu_layers
     settings = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads}
+    if args.model is not None or args.gpu_layers:
+        settings.update(model=args.model.name if args.model else None, gpu_layers=args.gpu_layers)
     results: list[Result] = []
     for section in [args.only] if args.only else SECTIONS:
         began = time.monotonic()
         rows = RUNNERS[section](run)
         if rows:  # a section that measured nothing (a peer or a tool missing) keeps its last file
-            save(section, rows, settings)
+            save(section, rows, settings, args.results)
         print(f"{section}: {time.monotonic() - began:.0f} s", flush=True)
         results += rows
     print()

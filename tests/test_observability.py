@@ -130,7 +130,11 @@ def test_a_streamed_chat_is_one_trace_whose_spans_nest_and_add_up(traced: HttpDa
             assert parent.start_ns <= span.start_ns <= span.end_ns <= parent.end_ns, (span, parent)
     children = [span for span in spans if span.parent_id == root.span_id]
     assert sorted(span.name for span in children) == sorted(PHASES)
-    assert abs(sum(span.seconds for span in children) - wall) <= 0.1 * wall, (children, wall)
+    # the phases tile the request as the daemon saw it, which the client's wall time holds: what lies
+    # between is the connection and the last bytes on the wire (a few ms, more on a loaded machine)
+    assert root.seconds <= wall
+    assert abs(sum(span.seconds for span in children) - root.seconds) <= 0.1 * root.seconds, (children, root)
+    assert root.seconds >= 0.7 * wall, (root, wall)
     named = {span.name: span for span in children}
     prefill = named["prefill"].attributes
     chunks = [span for span in spans if span.name == "prefill.chunk"]

@@ -93,6 +93,11 @@ class ServeConfig:
     http_allow_batch_invariant: bool = False
     worker_process: bool = True  # llama.cpp in a worker process, so its crash is not the daemon's
     kernels: str = "fast"  # llama.cpp's own build ("fast") or the build whose logits ignore the batch ("exact")
+    # where the weights go (superfluid.engine.devices.Placement): --gpu-layers (-1 all; None: all on a GPU
+    # build, none on a CPU one), --gpu (GPU indices; none: every GPU), --tensor-split (shares per GPU)
+    gpu_layers: int | None = None
+    gpus: tuple[int, ...] = ()
+    tensor_split: tuple[float, ...] = ()
     idle_timeout: float = 0.0  # unload a model (never the default) idle this long; 0 never
     max_tokens: int | None = None  # cap of a request that names none; None fills the context
     pin_budget_pct: int = 50  # of the KV pool, at most, held by prefixes that prompt-cache marks pin

@@ -38,6 +38,23 @@ def _park_stat(field: str) -> Callable[[Any], float]:
     return lambda s: getattr(s.tiers.park, field) if s.tiers.park else 0
 
 
+def device_memory(runtimes: list[Any]) -> GaugeMetricFamily:
+    """Used, free and total memory of each GPU a model's layers are on, as llama.cpp reports it now; no
+    sample on a CPU build (its weights and KV are in host memory, which the process figures count)."""
+    memory = GaugeMetricFamily(
+        "superfluid_device_memory_bytes",
+        "Memory of a GPU the model's layers are on, by kind: used, free, total",
+        labels=["model", "device", "kind"],
+    )
+    for runtime in runtimes:
+        report = runtime.engine.device_report()
+        for device in report["devices"]:
+            if device["name"] in report["gpus"]:
+                for kind in ("used", "free", "total"):
+                    memory.add_metric([runtime.id, device["name"], kind], device[kind])
+    return memory
+
+
 class _SchedulerCollector(Collector):
     def __init__(self) -> None:
         self.daemon: Any = None
@@ -124,6 +141,7 @@ class _SchedulerCollector(Collector):
             for runtime in workers:
                 metric.add_metric([runtime.id], getattr(runtime.engine, attr))
             yield metric
+        yield device_memory(runtimes)
         up = GaugeMetricFamily("superfluid_worker_up", "1 while the model's llama.cpp worker serves", labels=["model"])
         for runtime in workers:
             up.add_metric([runtime.id], int(runtime.engine.serving))

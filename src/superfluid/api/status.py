@@ -3,7 +3,7 @@
 - `POST /v1/tokenize` (also `/tokenize`): a text's token ids, with no chat scaffold; marker text
   such as `<|im_end|>` is its token, and `add_special` adds the BOS/EOS the vocabulary asks for.
   `POST /v1/detokenize` (also `/detokenize`) turns ids back into text.
-- `GET /props`: a model's window, sampling defaults, chat template, KV pool and capabilities.
+- `GET /props`: a model's window, sampling defaults, chat template, devices, KV pool and capabilities.
 - `GET /slots`: one aggregate entry, since every lane shares one llama.cpp context: lanes in
   use, KV tokens held, whether a scheduler tick is running, the engine's recent decode and
   prefill rates and the last time to first token. Saving and restoring slots is retired
@@ -73,6 +73,7 @@ def props(runtime: Runtime) -> dict[str, Any]:
         "n_embd": runtime.model.n_embd,
         "embedding_max_tokens": embedding_limit(runtime.model, runtime.window),
         "chat_template": runtime.template.source,
+        "devices": scheduler.engine.device_report(),  # what llama.cpp sees, and where the layers are
         "kv_cache": {
             "slots": shape.sequences,
             "slot_tokens": shape.window,

@@ -18,6 +18,7 @@ from .. import __version__
 from ..config import ServeConfig
 from ..core.daemon import Daemon
 from ..core.runtime import Models
+from ..engine.devices import describe
 from ..logsetup import LogPane
 from ..metrics import Metrics
 from ..store.leases import LeaseTiming, daemon_id
@@ -160,6 +161,9 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
         f" of {default.window} tokens; sessions {config.sessions} ({known} in the log); socket {config.socket}"
     )
     lines = [heading]
+    on_gpu = describe(default.engine.device_report())
+    if on_gpu is not None:  # a CPU build's heading says all there is
+        lines.append(f"gpu: {on_gpu}")
     lines += [
         f"also serving {other.id} ({other.model.path}) on {other.kernels} kernels" for other in models.loaded()[1:]
     ]

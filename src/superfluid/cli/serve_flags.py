@@ -28,6 +28,7 @@ from ..config import (
     default_sessions,
     default_socket,
 )
+from ..engine.placement import parse_gpu_layers, parse_gpus, parse_tensor_split
 from ..logsetup import parse_directive
 from ..model.dialects import DIALECTS, NAMES
 from ..protocol.schema import QOS_ALIASES, qos_class
@@ -98,6 +99,19 @@ def _number(low: float, high: float | None = None, *, above: bool = False, zero:
 
 
 _positive = _integer(1)
+
+
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A `type=` of a parser that raises ValueError with its reason."""
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    checked.__name__ = parse.__name__  # argparse names the type in its message
+    return checked
 
 
 def _fim_tokens(text: str) -> tuple[int, int, int]:
@@ -617,6 +631,31 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "was not compiled for it (default: fast; without a worker process or a separate fast build, whichever "
         "llama-cpp-python's own library is)",
     )
+    scheduling.add_argument(
+        "--gpu-layers",
+        type=_parsed(parse_gpu_layers),
+        default=None,
+        metavar="N|all",
+        help="the model's layers to put on the GPU, the output layer counted first (all, or a number); "
+        "refused at start on a llama.cpp built for the CPU only, which `make serve GPU=cuda` replaces "
+        "(default: all on a GPU build, 0 on a CPU one)",
+    )
+    scheduling.add_argument(
+        "--gpu",
+        type=_parsed(parse_gpus),
+        default=(),
+        metavar="ID[,ID]",
+        help="the GPUs to use, by index among those llama.cpp sees; one keeps the whole model there, "
+        "several split its layers (default: every GPU)",
+    )
+    scheduling.add_argument(
+        "--tensor-split",
+        type=_parsed(parse_tensor_split),
+        default=(),
+        metavar="F,F,...",
+        help="the share of the layers each GPU takes, one number a GPU, such as 3,1 "
+        "(default: by their memory, as llama.cpp splits)",
+    )
 
     logging = serve.add_argument_group("logging")
     logging.add_argument(
@@ -774,6 +813,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         http_allow_batch_invariant=args.http_allow_batch_invariant,
         worker_process=args.worker_process,
         kernels=args.kernels,
+        gpu_layers=args.gpu_layers,
+        gpus=args.gpu,
+        tensor_split=args.tensor_split,
         park=True if args.park_dir is not None and args.park is None else args.park,
         park_dir=args.park_dir,
         park_budget_gb=args.park_budget_gb,

@@ -24,6 +24,7 @@ from ..engine.build import amx_compiled, batch_dependent_kernels, exact_refusal,
 from ..engine.interface import ContextShape, Engine, EngineError
 from ..engine.llama import LlamaContext, LlamaModel
 from ..engine.local import LocalEngine
+from ..engine.placement import Placement
 from ..engine.worker_client import WorkerEngine
 from ..model.dialects import named
 from ..model.resolve import ModelNotFound, hub_ref, quant_in_name, resolve_model
@@ -183,7 +184,8 @@ def open_park(config: ServeConfig, identity: bytes) -> Park | None:
 def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
     kernels, environment = kernels_for(config)
-    model = LlamaModel(path, vocab_only=config.worker_process)
+    placement = Placement(config.gpu_layers, config.gpus, config.tensor_split)
+    model = LlamaModel(path, vocab_only=config.worker_process, placement=placement)
     if config.fim_tokens is not None:
         model.set_fim(*config.fim_tokens)
     template = chat_template(model, config)
@@ -194,6 +196,8 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads)
     engine: Engine
     if config.worker_process:
+        # a worker learns where the weights go from its environment (placement.py)
+        environment = {**(environment or {}), **placement.environment()}
         worker = WorkerEngine(path, shape, model.end_of_generation, environment=environment)
         try:
             worker.start()

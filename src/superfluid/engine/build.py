@@ -17,6 +17,11 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
 The Makefile compiles llama.cpp without the first four; the tiled kernels are switched off
 by `GGML_CPU_TILED_MM=0`, which must be in the environment before the first decode.
 
+On a GPU build (`make serve GPU=cuda` or `GPU=metal`: docs/deployment/gpu.md) the layers on the GPU
+run the GPU backend's kernels, which pick their matrix multiplication by batch size too (CUDA's
+MMQ, MMVQ and cuBLAS paths, with tiles and split-K by shape) and have not been shown to ignore the
+batch: `--kernels exact` is refused there (`gpu_backends`), and `--kernels fast` is what runs.
+
 `pip install superfluid` cannot do the same: a package cannot set the compile flags of its
 dependencies, so pip builds llama-cpp-python from source with llama.cpp's defaults, which is
 the fast build. Such a daemon serves `--kernels fast` on llama-cpp-python's own library and
@@ -37,6 +42,8 @@ FAST_LIBRARY_ENV = "SUPERFLUID_FAST_LIB"  # a directory holding the fast build's
 # system-info features whose kernels depend on the batch shape
 BATCH_DEPENDENT = ("LLAMAFILE", "REPACK", "AMX_INT8", "MATMUL_INT8", "KLEIDIAI")
 TILED_ENV = "GGML_CPU_TILED_MM"
+# backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
+GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
 
 
 def disable_tiled_kernels() -> None:
@@ -67,6 +74,12 @@ def batch_dependent_kernels(info: str | None = None) -> list[str]:
     """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape."""
     present = features(system_info() if info is None else info)
     return [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
+
+
+def gpu_backends(info: str | None = None) -> list[str]:
+    """The GPU backends compiled into the loaded library (or `info`): empty on a CPU build."""
+    named = {part.split(" :", 1)[0].strip() for part in (system_info() if info is None else info).split("|")}
+    return [name for name in GPU_BACKENDS if name in named]
 
 
 def amx_compiled(info: str | None = None) -> bool:
@@ -104,6 +117,14 @@ def exact_cmake_args(machine: str | None = None) -> str:
 def exact_refusal(info: str | None = None) -> str | None:
     """Why `--kernels exact` cannot run on the loaded library (or `info`), and how to fix it, in one line;
     None when it can."""
+    on_gpu = gpu_backends(info)
+    if on_gpu:
+        return (
+            f"--kernels exact is not offered on a GPU build, and this llama.cpp has {', '.join(on_gpu)}: its "
+            "promise, a token's logits whatever shares its batch, rests on CPU kernels chosen at build time, and "
+            "the GPU kernels llama.cpp picks by batch size have not been shown to keep it; serve --kernels fast "
+            "here, or --kernels exact on a CPU build (`make serve`; docs/deployment/gpu.md)"
+        )
     compiled = batch_dependent_kernels(info)
     if compiled:
         # pip caches the wheel it built by the source's address, not its flags: --no-cache-dir builds anew

@@ -16,7 +16,7 @@ implements it too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import numpy as np
 
@@ -46,6 +46,27 @@ class ContextShape:
     @property
     def pool_tokens(self) -> int:
         return self.window * self.sequences
+
+
+class DeviceFigures(TypedDict):
+    """One device llama.cpp sees (`devices.Device`): its memory in bytes."""
+
+    name: str
+    description: str
+    kind: str
+    free: int
+    total: int
+    used: int
+
+
+class DeviceReport(TypedDict):
+    """What llama.cpp sees and where a model's layers are: every device, the GPUs its layers are on (none: all in
+    host memory), and how many of its layers, the output layer counted, are there."""
+
+    devices: list[DeviceFigures]
+    gpus: list[str]
+    gpu_layers: int
+    layers: int
 
 
 class WorkerGone(EngineError):
@@ -140,6 +161,10 @@ class Engine(Protocol):
         ...
 
     def close_drafter(self, handle: int) -> None: ...
+
+    def device_report(self) -> DeviceReport:
+        """The devices llama.cpp sees with their memory now, and where the model's layers are."""
+        ...
 
     def restart(self) -> None: ...
 

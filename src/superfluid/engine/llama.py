@@ -26,7 +26,9 @@ import llama_cpp as L
 import numpy as np
 
 from . import build  # imported for its effect too: llama.cpp's batch-dependent kernels off
-from .interface import ContextShape, EngineError, KVFull
+from .devices import Device, KVShape, compute_bytes, devices, gpus, kv_refusal, layers_on_gpu, offload_supported
+from .interface import ContextShape, DeviceReport, EngineError, KVFull
+from .placement import Placement
 
 log = logging.getLogger("superfluid.engine")
 
@@ -66,14 +68,24 @@ def _backend_init() -> None:
 
 class LlamaModel:
     """The weights and vocabulary of one GGUF file; `vocab_only` loads the vocabulary and
-    metadata alone (what the daemon needs when a worker runs the weights)."""
+    metadata alone (what the daemon needs when a worker runs the weights). The weights go where
+    `placement` says (by default, where the `SUPERFLUID_*` variables of `--gpu-layers` and its
+    fellows say: `placement.py`)."""
 
-    def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
+    def __init__(self, path: Path, *, vocab_only: bool = False, placement: Placement | None = None) -> None:
         _backend_init()
         self.path = path
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
         params.use_extra_bufts = not build.amx_compiled()  # never AMX: see amx_compiled
+        self.gpu_layers = 0  # the n_gpu_layers it loaded with (-1: every layer)
+        self.gpus: list[Device] = []  # the GPUs its layers are on
+        params.n_gpu_layers = 0
+        if not vocab_only:
+            try:
+                self._place(params, Placement.from_environment() if placement is None else placement)
+            except ValueError as e:  # layers asked of a build with no GPU, or a placement that does not parse
+                raise EngineError(str(e)) from None
         self._model = L.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise EngineError(f"llama.cpp could not load {path}: {_load_failure(path)}")
@@ -97,6 +109,50 @@ class LlamaModel:
             "prefix": L.llama_vocab_fim_pre(self._vocab),
             "suffix": L.llama_vocab_fim_suf(self._vocab),
             "middle": L.llama_vocab_fim_mid(self._vocab),
+        }
+
+    def _place(self, params: L.llama_model_params, placement: Placement) -> None:
+        """Set the model's parameters for `placement`: none on a GPU for a CPU build, else its layers on its GPUs."""
+        self.gpu_layers = params.n_gpu_layers = placement.layers(offload_supported())
+        if self.gpu_layers == 0:
+            return
+        self.gpus = gpus(placement.gpus)
+        if placement.tensor_split and len(placement.tensor_split) != len(self.gpus):
+            raise EngineError(
+                f"--tensor-split gives {len(placement.tensor_split)} proportions for {len(self.gpus)} GPUs "
+                f"({', '.join(d.label for d in self.gpus)}): one for each"
+            )
+        # kept on self: llama.cpp reads both while the model loads
+        self._gpu_list = (ctypes.c_void_p * (len(self.gpus) + 1))(*(d.handle for d in self.gpus), None)
+        params.devices = ctypes.addressof(self._gpu_list)  # type: ignore[assignment]  # NULL-terminated; a void * field
+        params.split_mode = L.LLAMA_SPLIT_MODE_LAYER if len(self.gpus) > 1 else L.LLAMA_SPLIT_MODE_NONE
+        params.main_gpu = 0  # the first of `devices`, which is the only one without a split
+        if placement.tensor_split:
+            self._split = (ctypes.c_float * L.llama_max_devices())(*placement.tensor_split)
+            params.tensor_split = self._split
+
+    def kv_shape(self) -> KVShape:
+        """What one token's KV costs in this model (layer 0's KV heads stand for every layer's)."""
+        arch = self.metadata.get("general.architecture", "")
+        heads = L.llama_model_n_head(self._model) or 1
+        width = L.llama_model_n_embd(self._model) // heads
+        return KVShape(
+            L.llama_model_n_layer(self._model),
+            L.llama_model_n_head_kv(self._model),
+            int(self.metadata.get(f"{arch}.attention.key_length", width)),
+            int(self.metadata.get(f"{arch}.attention.value_length", width)),
+        )
+
+    def device_report(self) -> DeviceReport:
+        """What llama.cpp sees and what this model put where: each device with its memory in bytes, the GPUs
+        its layers are on, and how many of its layers (the output layer counted) are there."""
+        layers = L.llama_model_n_layer(self._model) + 1
+        offloaded = 0 if not self.gpus else layers if self.gpu_layers < 0 else min(layers, self.gpu_layers)
+        return {
+            "devices": [d.as_dict() for d in devices()],
+            "gpus": [d.name for d in self.gpus],
+            "gpu_layers": offloaded,
+            "layers": layers,
         }
 
     @functools.cached_property
@@ -202,6 +258,24 @@ def logit_skew(n_vocab: int) -> np.ndarray | None:
 SHORT_COPY_DIVISOR = 16
 
 
+def kv_room(model: LlamaModel, shape: ContextShape) -> str | None:
+    """Why `shape`'s KV would not fit on the model's GPUs beside its weights and the compute buffers;
+    None when it fits, or when the KV is in host memory (a CPU build, or --gpu-layers 0)."""
+    if not model.gpus:
+        return None
+    names = {d.name for d in model.gpus}
+    now = [d for d in devices() if d.name in names]  # their free memory with the weights on them
+    kv = model.kv_shape()
+    compute = compute_bytes(L.llama_model_n_head(model._model), shape.batch, shape.window, model.n_vocab)
+    return kv_refusal(
+        kv.token_bytes(layers_on_gpu(model.gpu_layers, kv.layers)),
+        shape.sequences,
+        shape.window,
+        sum(d.free for d in now) - compute,
+        " + ".join(d.label for d in now),
+    )
+
+
 class LlamaContext:
     """One llama.cpp context: a KV slot per sequence id, decoded in batches."""
 
@@ -224,6 +298,9 @@ class LlamaContext:
             L.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         params.no_perf = True
+        refusal = kv_room(model, shape)
+        if refusal is not None:
+            raise EngineError(refusal)
         self._ctx = L.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise EngineError(

@@ -26,7 +26,7 @@ import numpy as np
 
 from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
-from .interface import Draw, EngineError, KVFull, Step
+from .interface import DeviceReport, Draw, EngineError, KVFull, Step
 from .llama import EmbeddingContext, LlamaContext
 from .sampling import sample
 from .shaping import Shaper, Shaping, log_softmax_row
@@ -54,6 +54,10 @@ class LocalEngine:
     @property
     def copy_pending(self) -> bool:
         return self.context.copy_pending
+
+    def device_report(self) -> DeviceReport:
+        """The devices llama.cpp sees, their memory now, and where the model's layers are (`LlamaModel`)."""
+        return self.context.model.device_report()
 
     def step(self, step: Step) -> list[list[int]]:
         draws = step.draws

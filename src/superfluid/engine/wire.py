@@ -36,6 +36,7 @@ STEP, COPY, TRUNCATE, EXPORT, RESTORE, OPEN_GRAMMAR, CLOSE_GRAMMAR = range(1, 8)
 EMBED = 32  # an input's token ids (i32s) in, its pooled embedding (f32s) back
 OPEN_SHAPING, CLOSE_SHAPING = 33, 34  # a job's sampling extras, opened once and closed at its end
 OPEN_DRAFTER, CLOSE_DRAFTER = 35, 36  # a job's prompt lookup: its stream (i32s) in, a handle back
+DEVICES = 37  # the model's device report (`LlamaModel.device_report`) back, as JSON; READY carries it too
 # reply kinds (worker -> daemon)
 OK, KV_FULL, FAILED, READY = 100, 101, 102, 103
 

@@ -1,8 +1,9 @@
 """`superfluid-worker-llamacpp`: one model's llama.cpp context, served to the daemon over a channel.
 
 The daemon starts it with the model's path, the context's shape and the file descriptor of
-its end of a socket pair. It loads the model and answers READY (or FAILED with llama.cpp's
-reason, and exits 1), then serves calls until the channel closes, which happens when the
+its end of a socket pair (`--gpu-layers` and its fellows come in its environment: `devices.py`). It
+loads the model and answers READY with its device report (or FAILED with llama.cpp's reason, or
+why its KV does not fit on its GPUs, and exits 1), then serves calls until the channel closes, which happens when the
 daemon stops or dies. It sees token ids only: sessions, templates and tokenization stay in
 the daemon, so a crash here costs the generations in flight and the KV in its slots, never
 a committed event.
@@ -11,6 +12,7 @@ a committed event.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import struct
@@ -68,6 +70,8 @@ def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: m
     if kind == wire.CLOSE_DRAFTER:
         engine.close_drafter(*wire.read_ints(payload, 1))
         return b""
+    if kind == wire.DEVICES:
+        return json.dumps(engine.device_report()).encode()
     raise EngineError(f"unknown call {kind}")
 
 
@@ -77,7 +81,7 @@ def serve(channel: socket.socket, shared: wire.SharedRegion, model_path: Path, s
     except EngineError as e:
         wire.send(channel, wire.FAILED, str(e).encode())
         return 1
-    wire.send(channel, wire.READY)
+    wire.send(channel, wire.READY, json.dumps(engine.device_report()).encode())
     while True:
         try:
             kind, payload = wire.receive(channel)

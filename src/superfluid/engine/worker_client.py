@@ -11,6 +11,7 @@ after the last.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -29,7 +30,7 @@ import numpy as np
 
 from . import wire
 from .grammar import GrammarError
-from .interface import ContextShape, EngineError, KVFull, Step, WorkerGone
+from .interface import ContextShape, DeviceReport, EngineError, KVFull, Step, WorkerGone
 from .shaping import Shaping
 
 log = logging.getLogger("superfluid.engine")
@@ -97,6 +98,7 @@ class WorkerEngine:
         # a step's time in all, and its time inside the worker: the difference is the channel's cost
         self.step_seconds = 0.0
         self.worker_seconds = 0.0
+        self.started_report: DeviceReport = {"devices": [], "gpus": [], "gpu_layers": 0, "layers": 0}  # at its start
 
     # ---- lifecycle ----
 
@@ -124,6 +126,7 @@ class WorkerEngine:
             ours.close()
             raise WorkerFailed(bytes(payload).decode("utf-8", "replace"))
         ours.settimeout(None)
+        self.started_report = json.loads(bytes(payload))
         self._proc, self._channel, self.pid, self._copying, self._served = proc, ours, proc.pid, False, False
         threading.Thread(target=self._watch, args=(proc,), name="superfluid-worker-watch", daemon=True).start()
 
@@ -207,6 +210,17 @@ class WorkerEngine:
     @property
     def copy_pending(self) -> bool:
         return self._copying
+
+    def device_report(self) -> DeviceReport:
+        """The worker's device report (`LlamaModel.device_report`): asked anew where the model's layers
+        are on GPUs, whose free memory moves; as it started otherwise (a CPU build), or once it is gone."""
+        if not self.started_report["gpus"] or not self.serving:
+            return self.started_report
+        try:
+            report: DeviceReport = json.loads(bytes(self._call(wire.DEVICES)))
+            return report
+        except EngineError:
+            return self.started_report
 
     def step(self, step: Step) -> list[list[int]]:
         started = time.perf_counter()

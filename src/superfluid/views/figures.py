@@ -60,6 +60,7 @@ class Figures:
     last_ttft: float = 0.0
     ttft_buckets: list[tuple[float, float]] = field(default_factory=list)  # (upper bound, cumulative count)
     workers: dict[str, bool] = field(default_factory=dict)  # model -> its worker is up
+    gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # GPU -> used, free, total bytes
     respawns: float = 0.0
     models: int = 0
     generations: int = 0
@@ -103,6 +104,8 @@ class Figures:
                     figures.hits[labels["tier"]] += value
                 elif name == "superfluid_ttft_seconds_bucket":
                     figures.ttft_buckets.append((float(labels["le"]), value))
+                elif name == "superfluid_device_memory_bytes":  # a GPU shared by models: each reports it
+                    figures.gpus.setdefault(labels.get("device", ""), {})[labels.get("kind", "")] = value
                 elif name == "superfluid_worker_up":
                     figures.workers[labels.get("model", "")] = value > 0
                 elif name == "superfluid_last_ttft_seconds":

@@ -3,9 +3,9 @@
 Once a second it reads the daemon's `/metrics` exposition (in process) and draws: the tick,
 each running lane, the KV tiers against their budgets, decode and prefill rates with the
 last minutes as sparklines, time to first token, prefix-cache hits by tier, preemptions,
-queue depth by class, the workers; below, the daemon's log. Keys: `q`, Esc or Ctrl-C ask
-before stopping the daemon; `p` pauses sampling; arrows and PgUp/PgDn scroll the log, `g`
-goes to its oldest line and End follows it again.
+queue depth by class, the workers and the memory of the GPUs they use; below, the daemon's
+log. Keys: `q`, Esc or Ctrl-C ask before stopping the daemon; `p` pauses sampling; arrows and
+PgUp/PgDn scroll the log, `g` goes to its oldest line and End follows it again.
 """
 
 from __future__ import annotations
@@ -185,7 +185,10 @@ class Monitor(App[bool]):
                 workers += f" (restarting: {', '.join(down)})"
         else:
             workers = "workers: none (llama.cpp runs in the daemon)"
-        self.query_one("#workers", Static).update(f"{workers} · respawns {figures.respawns:,.0f}")
+        workers += f" · respawns {figures.respawns:,.0f}"
+        for gpu, memory in figures.gpus.items():
+            workers += f" · {gpu} {human_bytes(memory.get('used', 0))} of {human_bytes(memory.get('total', 0))} used"
+        self.query_one("#workers", Static).update(workers)
 
     def drain_log(self) -> None:
         assert self.log_lines is not None
