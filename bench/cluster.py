@@ -477,19 +477,19 @@ def haproxy_rows(root: Path, threads: int, pg: PostgresCluster, rounds: int) -> 
     rows = []
     for n in (2, 3):
         for rates, name, how in (
-            (shared[n], f"chats through HAProxy, {n} daemons on this machine / 1", "on this machine's"),
+            (shared[n], f"chats through HAProxy, {n} daemons on this machine / 1", "on this machine"),
             (apart[n], f"chats through HAProxy, {n} machines (projected) / 1", "projected on machines of their own"),
         ):
             ratios = [many / one for many, one in zip(rates, shared[1], strict=True)]
             middle = median_round(ratios)
             how_measured = (
-                f"the {threads} threads shared between them"
+                f"its {threads} threads shared between them"
                 if rates is shared[n]
                 else f"{n} times one daemon serving {-(-CHATS // n)} of the chats on the whole machine"
             )
             detail = (
                 f"{CHATS} concurrent chats of {CHAT_TOKENS} forced tokens through HAProxy: {rates[middle]:.1f} tok/s "
-                f"over {n} daemons {how}, {how_measured}, against {shared[1][middle]:.1f} over one with "
+                f"over {n} daemons {how}, {how_measured}, against {shared[1][middle]:.1f} over one daemon with "
                 f"{CHATS} lanes (ratios {', '.join(f'{r:.2f}' for r in ratios)})"
             )
             rows.append(
