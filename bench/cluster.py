@@ -12,10 +12,12 @@ and 16 concurrent chats through HAProxy (docs/deployment/haproxy.cfg) over 1, 2 
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -84,21 +86,26 @@ def forced(daemon: Superfluid, session: int, tokens: int, into: list[int]) -> No
     into.append(reply.tokens_generated)
 
 
-def streams(daemon: Superfluid, tokens: int, tag: str) -> float:
-    """Tokens/s of STREAMS concurrent forced generations on fresh sessions."""
-    with daemon.client() as c:
-        sessions = [fresh_session(c, f"Tell me a long story about lighthouse {tag}-{i}.") for i in range(STREAMS)]
+def concurrently(runs: list[Callable[[list[int]], None]], what: str) -> float:
+    """Tokens/s of `runs` started together, each adding the tokens it got to the list it is given."""
     done: list[int] = []
-    workers = [threading.Thread(target=forced, args=(daemon, s, tokens, done)) for s in sessions]
+    workers = [threading.Thread(target=run, args=(done,)) for run in runs]
     started = time.perf_counter()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     seconds = time.perf_counter() - started
-    if len(done) != STREAMS:
-        raise RuntimeError(f"{STREAMS - len(done)} of {STREAMS} streams failed")
+    if len(done) != len(runs):
+        raise RuntimeError(f"{len(runs) - len(done)} of {len(runs)} {what} failed")
     return sum(done) / seconds
+
+
+def streams(daemon: Superfluid, tokens: int, tag: str) -> float:
+    """Tokens/s of STREAMS concurrent forced generations on fresh sessions."""
+    with daemon.client() as c:
+        sessions = [fresh_session(c, f"Tell me a long story about lighthouse {tag}-{i}.") for i in range(STREAMS)]
+    return concurrently([functools.partial(forced, daemon, s, tokens) for s in sessions], "streams")
 
 
 def daemon(root: Path, threads: int, *extra: str) -> Superfluid:
@@ -416,9 +423,8 @@ CHATS, CHAT_TOKENS = 16, 64
 
 def through_haproxy(url: str, tag: str, chats: int = CHATS) -> float:
     """Tokens/s of `chats` concurrent forced chats of CHAT_TOKENS tokens sent to `url`."""
-    done: list[int] = []
 
-    def chat(i: int) -> None:
+    def chat(i: int, into: list[int]) -> None:
         body = {
             "model": "smollm2",
             "messages": [{"role": "user", "content": f"Tell me a story about lighthouse {tag}-{i}."}],
@@ -428,18 +434,9 @@ def through_haproxy(url: str, tag: str, chats: int = CHATS) -> float:
         }
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
         reply.raise_for_status()
-        done.append(reply.json()["usage"]["completion_tokens"])
+        into.append(reply.json()["usage"]["completion_tokens"])
 
-    workers = [threading.Thread(target=chat, args=(i,)) for i in range(chats)]
-    started = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    seconds = time.perf_counter() - started
-    if len(done) != chats:
-        raise RuntimeError(f"{chats - len(done)} of {chats} chats failed")
-    return sum(done) / seconds
+    return concurrently([functools.partial(chat, i) for i in range(chats)], "chats")
 
 
 def haproxy_round(root: Path, threads: int, store: str, daemons: int, tag: str, chats: int = CHATS) -> float:
