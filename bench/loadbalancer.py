@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+from peer import free_port
 
 CONFIG = Path(__file__).resolve().parent.parent / "docs" / "deployment" / "haproxy.cfg"
 NAMES = "abc"  # the config's server names, whose addresses come from SUPERFLUID_A, _B and _C
 CHECKED_S = 2.5  # a server enters the rotation after two passed checks a second apart (rise 2, inter 1s)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -53,7 +47,7 @@ class HAProxy:
         return path
 
     def start(self) -> HAProxy:
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "SUPERFLUID_BIND": f"127.0.0.1:{port}"}
         env |= {f"SUPERFLUID_{name.upper()}": server for name, server in zip(NAMES, self.servers, strict=False)}
         self.proc = subprocess.Popen(
