@@ -7,7 +7,8 @@ A greedy run is computed once the way a lone lane computes it (the prompt prefil
 chunk, then one decode step per token), and its logits kept. Then the same tokens are fed
 again along each path the scheduler can take (a bulk re-prefill after a restart, the last
 prompt token decoded alone, small prefill chunks, seven other lanes in the batch, a KV copied
-from another slot, a state exported to host memory and imported again) and every step's
+from another slot, a state exported to host memory and imported again, a prefill step
+interrupted by an interactive arrival and run again) and every step's
 logits are compared bit for bit with the reference. For each path it prints the first
 position whose logits differ in any bit, or that all of them are identical.
 
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from superfluid.engine.interface import ContextShape
+from superfluid.engine.interface import ContextShape, StepInterrupted
+from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.model.resolve import embedded_model
 
@@ -55,7 +57,9 @@ class Probe:
 
     def __init__(self, model: LlamaModel, window: int, threads: int, flash_attention: bool = False) -> None:
         self.model = model
-        self.context = LlamaContext(model, ContextShape(window, OTHERS + 3, BATCH, threads, flash_attention))
+        self.interrupt = Interrupt()
+        shape = ContextShape(window, OTHERS + 3, BATCH, threads, flash_attention)
+        self.context = LlamaContext(model, shape, self.interrupt)
 
     def clear(self) -> None:
         for seq in range(self.context.shape.sequences):
@@ -184,6 +188,22 @@ def imported(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray
     return probe.decode_from(2, out, len(prompt), first)
 
 
+def interrupted(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """An interactive arrival interrupts the prompt's second chunk, which then runs again."""
+    probe.clear()
+    half = len(prompt) // 2
+    probe.feed(0, prompt[:half], 0)
+    probe.interrupt.set()
+    try:
+        probe.feed(0, prompt[half:], half)
+        raise AssertionError("the decode ran on with its interrupt set")
+    except StepInterrupted:
+        pass
+    finally:
+        probe.interrupt.clear()
+    return probe.decode_from(0, out, len(prompt), probe.feed(0, prompt[half:], half))
+
+
 PATHS: dict[str, Path] = {
     "bulk re-prefill after a restart (prompt + half the reply)": replayed,
     "last prompt token decoded alone": last_alone,
@@ -191,6 +211,7 @@ PATHS: dict[str, Path] = {
     "batched with 7 other lanes": batched,
     "KV copied from another slot": copied,
     "state exported and imported": imported,
+    "a prefill step interrupted and run again": interrupted,
 }
 
 

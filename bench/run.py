@@ -749,20 +749,27 @@ def http_section(
             server = up.enter_context(make("light", *extra))
             urls[name] = server.url
         light = light_rounds(urls, quick, rounds)
-    agents: dict[tuple[str, str], dict[str, float]] = {}
+    # superfluid and llama-server take turns, round by round, as the light figures do; the exact kernels
+    # and the chat without a header once
+    agents: dict[tuple[str, str], list[dict[str, float]]] = {}
     header = ("with the QoS header", "background", "interactive")
-    plans = [("superfluid", *header), ("llama-server", "plain", None, None), ("superfluid exact", *header)]
-    plans.append(("superfluid", "plain", None, None))
-    for name, label, agent_qos, chat_qos in plans:
+    paired = [("superfluid", *header), ("llama-server", "plain", None, None)]
+    plans = [
+        *paired * (rounds or (2 if quick else 3)),
+        ("superfluid exact", *header),
+        ("superfluid", "plain", None, None),
+    ]
+    for index, (name, label, agent_qos, chat_qos) in enumerate(plans):
         if name in agent_systems:
             print(f"http agents: {name}, {label}", flush=True)
             with agent_systems[name](f"agents-{label}") as server:
-                agents[(name, label)] = agents_round(server.url, quick, 500 + len(agents) * 100, agent_qos, chat_qos)
+                figures = agents_round(server.url, quick, 500 + index * 100, agent_qos, chat_qos)
+            agents.setdefault((name, label), []).append(figures)
     return http_results(light, agents, quick)
 
 
 def http_results(
-    light: dict[str, list[dict[str, float]]], agents: dict[tuple[str, str], dict[str, float]], quick: bool
+    light: dict[str, list[dict[str, float]]], agents: dict[tuple[str, str], list[dict[str, float]]], quick: bool
 ) -> list[Result]:
     ours = light["superfluid"]
     theirs = light.get("llama-server")
@@ -816,38 +823,56 @@ def http_results(
         )
     )
     compare("burst sharing a system prompt: wall / llama-server", "burst_wall", "<= 0.5", "lower", "s")
-    mine, plain = agents[("superfluid", "with the QoS header")], agents[("superfluid", "plain")]
-    exact = agents[("superfluid exact", "with the QoS header")]
-    peer = agents.get(("llama-server", "plain"))
+    rounds, (plain,) = agents[("superfluid", "with the QoS header")], agents[("superfluid", "plain")]
+    (exact,) = agents[("superfluid exact", "with the QoS header")]
+    peers = agents.get(("llama-server", "plain"))
+    mine, peer = rounds[0], peers[0] if peers else None
     for key, name, target in (
         ("wall", "eight agents' wall / llama-server", "<= 0.7"),
         ("p50", "agent first token p50 / llama-server", "<= 0.8"),
     ):
-        if peer is None:
+        if peers is None or peer is None:
             results.append(Result(name, mine[key], target, False, "no llama-server figure", "s"))
             continue
-        raw = {"superfluid s": [mine[key]], "llama-server s": [peer[key]]}
-        ratio = mine[key] / peer[key]
-        detail = f"{mine[key]:.1f} s vs {peer[key]:.1f} s"
+        ratios = [a[key] / b[key] for a, b in zip(rounds, peers, strict=True)]
+        middle = median_round(ratios)
+        mine, peer = rounds[middle], peers[middle]
+        raw = {"superfluid s": [r[key] for r in rounds], "llama-server s": [r[key] for r in peers], "ratio": ratios}
+        detail = (
+            f"{mine[key]:.1f} s vs {peer[key]:.1f} s in the median of {len(ratios)} paired rounds "
+            f"(ratios {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
         results.append(
-            Result(name, ratio, target, _meets(target)(ratio), detail, "x", "llama-server", "lower", "", raw)
+            Result(
+                name,
+                ratios[middle],
+                target,
+                _meets(target)(ratios[middle]),
+                detail,
+                "x",
+                "llama-server",
+                "lower",
+                "",
+                raw,
+            )
         )
         ratio = exact[key] / peer[key]
-        detail = f"{exact[key]:.1f} s vs {peer[key]:.1f} s"
+        detail = f"{exact[key]:.1f} s vs {peer[key]:.1f} s (the median round's)"
         raw = {"superfluid --kernels exact s": [exact[key]], "llama-server s": [peer[key]]}
         price = "(the price of exactness)"
         results.append(
             Result(f"{name}, --kernels exact", ratio, price, True, detail, "x", "llama-server", "lower", "", raw)
         )
+    slowest = max(r["chat"] for r in rounds)
     results.append(
         Result(
             "chat first token behind 8 agents, QoS header (s)",
-            mine["chat"],
+            slowest,
             "<= 0.5 s",
-            mine["chat"] <= 0.5,
-            "",
+            slowest <= 0.5,
+            f"the slowest of {len(rounds)} rounds",
             "s",
-            rounds={"superfluid s": [mine["chat"]]},
+            rounds={"superfluid s": [r["chat"] for r in rounds]},
         )
     )
     results.append(

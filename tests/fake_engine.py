@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from superfluid.engine.interface import ContextShape, Step
+from superfluid.engine.interface import ContextShape, Step, StepInterrupted
+from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.local import LocalEngine
 
 VOCAB = 64
@@ -29,9 +30,17 @@ class FakeLlama:
     a pure function of its slot's whole content (`rule`)."""
 
     def __init__(
-        self, sequences: int, window: int, batch: int, delay: float, rule: object, position_delay: float
+        self,
+        sequences: int,
+        window: int,
+        batch: int,
+        delay: float,
+        rule: object,
+        position_delay: float,
+        interrupt: Interrupt | None = None,
     ) -> None:
         self.rule = rule
+        self.interrupt = interrupt
         self.shape = ContextShape(window, sequences, batch, 1)
         # token 0 ends a turn; the rules never pick it
         self.model = SimpleNamespace(end_of_generation=np.eye(1, VOCAB, 0, dtype=bool)[0])
@@ -46,8 +55,8 @@ class FakeLlama:
         return bool(self.copying)
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
-        time.sleep(self.delay + self.position_delay * len(tokens))
         self.copying.clear()
+        self._compute(self.delay + self.position_delay * len(tokens))
         self.batches.append({int(s) for s in seqs})
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
@@ -57,6 +66,17 @@ class FakeLlama:
             if wanted:
                 rows.append(np.eye(1, VOCAB, self.rule(held), dtype=np.float32)[0])  # type: ignore[operator]
         return np.array(rows, dtype=np.float32).reshape(len(rows), VOCAB)
+
+    def _compute(self, seconds: float) -> None:
+        """A decode's time; as llama.cpp does, it stops early, having written nothing, when the interrupt is set."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise StepInterrupted("the step was interrupted")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.002))
 
     def copy(self, source: int, target: int, length: int) -> None:
         self.slots[target] = list(self.slots[source][:length])
@@ -82,7 +102,8 @@ class FakeLlama:
 class FakeEngine(LocalEngine):
     """The engine's own step loop (runs, drafts and all) over a `FakeLlama`; it counts its calls.
 
-    `delay` is a decode's fixed cost, `position_delay` what each position of its batch adds."""
+    `delay` is a decode's fixed cost, `position_delay` what each position of its batch adds; an
+    `interruptible` one's steps stop when its `interrupt` is set."""
 
     def __init__(
         self,
@@ -92,8 +113,11 @@ class FakeEngine(LocalEngine):
         delay: float = 0.0,
         model: object = next_of,
         position_delay: float = 0.0,
+        interruptible: bool = False,
     ) -> None:
-        super().__init__(FakeLlama(sequences, window, batch, delay, model, position_delay))  # type: ignore[arg-type]
+        interrupt = Interrupt() if interruptible else None
+        llama = FakeLlama(sequences, window, batch, delay, model, position_delay, interrupt)
+        super().__init__(llama)  # type: ignore[arg-type]
         self.llama: FakeLlama = self.context  # type: ignore[assignment]
         self.calls = 0
 

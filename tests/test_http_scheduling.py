@@ -15,12 +15,16 @@ from conftest import HttpDaemon
 
 pytestmark = pytest.mark.e2e
 
+# Four agents with prompts long enough that none finishes its prefill before every lane is taken:
+# agent-class work prefills in steps of a second (`pace.STEP_BATCH_S`), which a chat without the QoS
+# header waits for.
+LANES, AGENT_WORDS = 4, 1600
 WORDS = ["harbour", "lamp", "keeper", "storm", "ledger", "granite", "tide", "signal", "rope", "gull", "reef", "mast"]
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    proc = HttpDaemon(tmp_path_factory.mktemp("qos"), max_context=2048, max_batch=8).start()
+    proc = HttpDaemon(tmp_path_factory.mktemp("qos"), max_context=2048, max_batch=LANES).start()
     yield proc
     proc.stop()
 
@@ -76,13 +80,13 @@ def test_a_chat_is_answered_before_any_agent_finishes_its_prefill(
     api: HttpDaemon, agents_qos: str | None, chat_qos: str | None
 ) -> None:
     seed = 0 if agents_qos else 100  # fresh prompts each run: nothing cached from the previous one
-    agents = [Stream(api, _document(seed + i, 800), agents_qos, 16) for i in range(8)]
+    agents = [Stream(api, _document(seed + i, AGENT_WORDS), agents_qos, 16) for i in range(LANES)]
     for agent in agents:
         agent.start()
     deadline = time.monotonic() + 30
-    while api.metric("superfluid_lanes_active") < 8 and time.monotonic() < deadline:
+    while api.metric("superfluid_lanes_active") < LANES and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert api.metric("superfluid_lanes_active") == 8, "every lane is prefilling an agent's prompt"
+    assert api.metric("superfluid_lanes_active") == LANES, "every lane is prefilling an agent's prompt"
     chat = Stream(api, "What is the capital of France? One word.", chat_qos, 8)
     asked = time.monotonic()
     chat.start()

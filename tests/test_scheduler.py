@@ -157,6 +157,29 @@ def test_an_interactive_job_preempts_background_work_which_then_resumes_exactly(
         scheduler.stop()
 
 
+def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_exactly() -> None:
+    # 2 ms a position: the background job's steps grow to a whole batch of 512 positions, about a second
+    engine = FakeEngine(sequences=4, window=1024, position_delay=0.002, interruptible=True)
+    scheduler = Scheduler(engine, lanes=2, window=1024)
+    scheduler.start()
+    try:
+        prompt = [5 + i % 50 for i in range(1000)]
+        _background, bg = started(scheduler, prompt, 8, qos=3)
+        time.sleep(1.0)  # into its second step
+        sent = time.monotonic()
+        _chat, fg = started(scheduler, [9, 9, 9], 4, qos=0)
+        while not fg.out:
+            time.sleep(0.001)
+        waited = time.monotonic() - sent
+        assert scheduler.stats.steps_interrupted == 1
+        assert waited < 0.3, f"the chat's first token took {waited:.2f} s: it waited for the long step"
+        assert fg.done.wait(10) and bg.done.wait(10)
+        assert bg.out == alone(prompt, 8), "the interrupted step left nothing behind, and ran again"
+        assert fg.out == alone([9, 9, 9], 4)
+    finally:
+        scheduler.stop()
+
+
 def test_a_burst_sharing_a_prefix_prefills_it_once() -> None:
     context = FakeEngine(sequences=8, delay=0.002, batch=512)
     scheduler = Scheduler(context, lanes=4, window=1024)

@@ -79,6 +79,7 @@ class _SchedulerCollector(Collector):
             ("warm_prefix_tokens", "warm_prefix_tokens", "Prompt tokens seeded from the KV cache"),
             ("cold_admissions", "cold_admissions", "Jobs admitted with nothing cached"),
             ("preemptions", "preemptions", "Lanes preempted for a higher class"),
+            ("steps_interrupted", "steps_interrupted", "Batch steps stopped for an interactive arrival, run again"),
             ("cache_evictions", "evictions", "Idle KV entries moved out of their slots"),
             ("cache_exports", "exports", "Evicted prefixes exported to host memory"),
             ("cache_imports", "imports", "Prefixes imported back from host memory"),

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..config import SamplingDefaults, ServeConfig
 from ..engine.build import amx_compiled, batch_dependent_kernels, exact_refusal, fast_environment, fast_library
 from ..engine.interface import ContextShape, Engine, EngineError
+from ..engine.interrupt import Interrupt
 from ..engine.llama import LlamaContext, LlamaModel
 from ..engine.local import LocalEngine
 from ..engine.placement import Placement
@@ -206,7 +207,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
             raise
         engine = worker
     else:
-        engine = LocalEngine(LlamaContext(model, shape))
+        engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
     park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, shape.flash_attention))
     scheduler = Scheduler(
         engine,

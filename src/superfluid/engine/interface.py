@@ -22,6 +22,7 @@ import numpy as np
 
 from ..protocol.schema import GenParams
 from .drafting import Arm
+from .interrupt import Interrupt
 from .shaping import LogprobRow, Shaping
 
 
@@ -67,6 +68,10 @@ class DeviceReport(TypedDict):
     gpus: list[str]
     gpu_layers: int
     layers: int
+
+
+class StepInterrupted(EngineError):
+    """The step stopped early because its engine's `interrupt` was set: nothing of it is in the KV."""
 
 
 class WorkerGone(EngineError):
@@ -127,6 +132,12 @@ class Engine(Protocol):
 
     shape: ContextShape
     end_of_generation: np.ndarray  # by token id: True for the tokens that end a turn
+
+    @property
+    def interrupt(self) -> Interrupt | None:
+        """Set from any thread, it stops the step in flight (`StepInterrupted`), or the next one if none is; the
+        scheduler clears it. None where a step cannot be stopped."""
+        ...
 
     @property
     def copy_pending(self) -> bool: ...

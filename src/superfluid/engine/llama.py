@@ -27,7 +27,8 @@ import numpy as np
 
 from . import build  # imported for its effect too: llama.cpp's batch-dependent kernels off
 from .devices import Device, KVShape, compute_bytes, devices, gpus, kv_refusal, layers_on_gpu, offload_supported
-from .interface import ContextShape, DeviceReport, EngineError, KVFull
+from .interface import ContextShape, DeviceReport, EngineError, KVFull, StepInterrupted
+from .interrupt import CALLBACK, Interrupt
 from .placement import Placement
 
 log = logging.getLogger("superfluid.engine")
@@ -279,9 +280,10 @@ def kv_room(model: LlamaModel, shape: ContextShape) -> str | None:
 class LlamaContext:
     """One llama.cpp context: a KV slot per sequence id, decoded in batches."""
 
-    def __init__(self, model: LlamaModel, shape: ContextShape) -> None:
+    def __init__(self, model: LlamaModel, shape: ContextShape, interrupt: Interrupt | None = None) -> None:
         self.model = model
         self.shape = shape
+        self.interrupt = interrupt
         params = L.llama_context_default_params()
         params.n_ctx = shape.pool_tokens
         params.n_batch = shape.batch
@@ -307,6 +309,8 @@ class LlamaContext:
                 f"llama.cpp could not create a context of {shape.sequences} slots of {shape.window} tokens"
             )
         self._mem = L.llama_get_memory(self._ctx)
+        if interrupt is not None:  # llama.cpp asks the flag after every operation of a decode's graph
+            L.llama_set_abort_callback(self._ctx, L.ggml_abort_callback(CALLBACK), interrupt.address)
         self.n_vocab = model.n_vocab
         self.skew = logit_skew(model.n_vocab)
         # llama.cpp copies a stream's buffer at the start of the next decode: until then
@@ -346,10 +350,12 @@ class LlamaContext:
         self._logits[:n] = want
         self._batch.n_tokens = n
         status = L.llama_decode(self._ctx, self._batch)
-        if status in (0, 1):  # the decode ran its pending copies before it looked for room
+        if status in (0, 1, 2):  # the decode ran its pending copies before it looked for room
             self._copying.clear()
         if status == 1:
             raise KVFull("no room in the KV pool for this batch")
+        if status == 2:  # llama.cpp took the batch's positions back out of the KV
+            raise StepInterrupted("the step was interrupted")
         if status != 0:
             raise EngineError(f"llama_decode failed with status {status}")
         rows = int(np.count_nonzero(want))

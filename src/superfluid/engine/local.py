@@ -26,7 +26,7 @@ import numpy as np
 
 from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
-from .interface import DeviceReport, Draw, EngineError, KVFull, Step
+from .interface import DeviceReport, Draw, EngineError, KVFull, Step, StepInterrupted
 from .llama import EmbeddingContext, LlamaContext
 from .sampling import sample
 from .shaping import Shaper, Shaping, log_softmax_row
@@ -40,6 +40,7 @@ class LocalEngine:
     def __init__(self, context: LlamaContext) -> None:
         self.context = context
         self.shape = context.shape
+        self.interrupt = context.interrupt
         self.end_of_generation = context.model.end_of_generation
         self._grammars: dict[int, Grammar] = {}
         self._shapers: dict[int, Shaper] = {}
@@ -79,7 +80,7 @@ class LocalEngine:
             before = sum(len(drawn[i]) for i in lanes) if arm is not None else 0
             try:
                 logits, took, drafts = self._decode(batch, drafts)
-            except KVFull:
+            except (KVFull, StepInterrupted):
                 if step.decodes:
                     break  # what was drawn stands; the scheduler decodes the last tokens when there is room
                 raise

@@ -38,7 +38,7 @@ OPEN_SHAPING, CLOSE_SHAPING = 33, 34  # a job's sampling extras, opened once and
 OPEN_DRAFTER, CLOSE_DRAFTER = 35, 36  # a job's prompt lookup: its stream (i32s) in, a handle back
 DEVICES = 37  # the model's device report (`LlamaModel.device_report`) back, as JSON; READY carries it too
 # reply kinds (worker -> daemon)
-OK, KV_FULL, FAILED, READY = 100, 101, 102, 103
+OK, KV_FULL, FAILED, READY, INTERRUPTED = 100, 101, 102, 103, 104  # INTERRUPTED: `interface.StepInterrupted`
 
 DRAW = np.dtype(
     [

@@ -24,7 +24,8 @@ import numpy as np
 
 from . import wire
 from .grammar import GrammarError
-from .interface import ContextShape, EngineError, KVFull
+from .interface import ContextShape, EngineError, KVFull, StepInterrupted
+from .interrupt import Interrupt
 from .llama import LlamaContext, LlamaModel
 from .local import LocalEngine
 
@@ -75,9 +76,11 @@ def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: m
     raise EngineError(f"unknown call {kind}")
 
 
-def serve(channel: socket.socket, shared: wire.SharedRegion, model_path: Path, shape: ContextShape) -> int:
+def serve(
+    channel: socket.socket, shared: wire.SharedRegion, interrupt: Interrupt, model_path: Path, shape: ContextShape
+) -> int:
     try:
-        engine = LocalEngine(LlamaContext(LlamaModel(model_path), shape))
+        engine = LocalEngine(LlamaContext(LlamaModel(model_path), shape, interrupt))
     except EngineError as e:
         wire.send(channel, wire.FAILED, str(e).encode())
         return 1
@@ -96,6 +99,8 @@ def _answer(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: 
         return wire.OK, _serve(engine, shared, kind, payload)
     except KVFull as e:
         return wire.KV_FULL, str(e).encode()
+    except StepInterrupted as e:
+        return wire.INTERRUPTED, str(e).encode()
     except (EngineError, GrammarError) as e:
         return wire.FAILED, str(e).encode()
     except Exception as e:  # a call that fails here ends the call, not the worker and its KV
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fd", type=int, required=True, help="the worker's end of the daemon's socket pair")
     parser.add_argument("--shared-fd", type=int, required=True, help="the memory file KV states travel in")
+    parser.add_argument("--interrupt-fd", type=int, required=True, help="the memory file of the step interrupt")
     parser.add_argument("--model", type=Path, required=True, help="the GGUF file")
     parser.add_argument("--window", type=int, required=True, help="tokens per KV slot")
     parser.add_argument("--sequences", type=int, required=True, help="KV slots")
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle; it closes the channel
     channel = socket.socket(fileno=args.fd)
     shape = ContextShape(args.window, args.sequences, args.batch, args.threads)
-    return serve(channel, wire.SharedRegion(args.shared_fd), args.model, shape)
+    return serve(channel, wire.SharedRegion(args.shared_fd), Interrupt(args.interrupt_fd), args.model, shape)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import numpy as np
 
 from . import wire
 from .grammar import GrammarError
-from .interface import ContextShape, DeviceReport, EngineError, KVFull, Step, WorkerGone
+from .interface import ContextShape, DeviceReport, EngineError, KVFull, Step, StepInterrupted, WorkerGone
+from .interrupt import Interrupt
 from .shaping import Shaping
 
 log = logging.getLogger("superfluid.engine")
@@ -95,6 +96,7 @@ class WorkerEngine:
         # time (a KV state's trip through the shared region holds it around its call)
         self._calling = threading.RLock()
         self._shared = wire.SharedRegion()  # kept across workers: each new one maps the same file
+        self.interrupt = Interrupt()  # the same
         # a step's time in all, and its time inside the worker: the difference is the channel's cost
         self.step_seconds = 0.0
         self.worker_seconds = 0.0
@@ -106,12 +108,14 @@ class WorkerEngine:
         """Start a worker and wait until its model is loaded; WorkerFailed with its reason otherwise."""
         ours, theirs = socket.socketpair()
         command = [*_command(), "--fd", str(theirs.fileno()), "--model", str(self.model_path)]
-        command += ["--shared-fd", str(self._shared.fd)]
+        command += ["--shared-fd", str(self._shared.fd), "--interrupt-fd", str(self.interrupt.fd)]
         command += ["--window", str(self.shape.window), "--sequences", str(self.shape.sequences)]
         command += ["--batch", str(self.shape.batch), "--threads", str(self.shape.threads)]
         environment = {**worker_environment(), **self.environment}
         try:
-            proc = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._shared.fd), env=environment)
+            proc = subprocess.Popen(
+                command, pass_fds=(theirs.fileno(), self._shared.fd, self.interrupt.fd), env=environment
+            )
         finally:
             theirs.close()
         ours.settimeout(READY_TIMEOUT_S)
@@ -177,6 +181,7 @@ class WorkerEngine:
                 self._proc.kill()
                 self._proc.wait()
         self._shared.close()
+        self.interrupt.close()
 
     def exit_description(self) -> str:
         status = None
@@ -203,6 +208,8 @@ class WorkerEngine:
         message = bytes(body).decode("utf-8", "replace")
         if reply == wire.KV_FULL:
             raise KVFull(message)
+        if reply == wire.INTERRUPTED:
+            raise StepInterrupted(message)
         if kind == wire.OPEN_GRAMMAR:
             raise GrammarError(message)
         raise EngineError(message)
@@ -226,7 +233,7 @@ class WorkerEngine:
         started = time.perf_counter()
         try:
             reply = self._call(wire.STEP, wire.encode_step(step))
-        except KVFull:
+        except (KVFull, StepInterrupted):
             self._copying = False  # the decode ran its pending copies before it looked for room
             raise
         self._copying, self._served = False, True

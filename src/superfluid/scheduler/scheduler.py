@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..engine.grammar import GrammarError
-from ..engine.interface import Draw, Engine, EngineError, KVFull, Step, WorkerGone
+from ..engine.interface import Draw, Engine, EngineError, KVFull, Step, StepInterrupted, WorkerGone
 from ..engine.shaping import REPEAT_WINDOW, LogprobRow
 from ..protocol.schema import (
     FINISH_CANCELLED,
@@ -58,7 +58,7 @@ from ..protocol.schema import (
 )
 from .job import Job, Lane
 from .kv_tiers import KVTiers
-from .pace import Pace
+from .pace import STEP_BATCH_S, STEP_TARGET_S, Pace
 from .park import Park
 from .prefix_cache import common_prefix
 from .speculate import SpecPolicy, SpecSettings
@@ -174,9 +174,11 @@ class Scheduler:
             if job.times is not None:
                 job.times.submitted = time.time_ns()
             job.order = next(self._order)
+            self._queue.append(job)
             if job.qos <= QOS_COMPLETION:
                 self.pace.urgent()
-            self._queue.append(job)
+                if self.engine.interrupt is not None:
+                    self.engine.interrupt.set()  # the step in flight stops: this job is admitted first
             self._cv.notify()
 
     def warm(self, tokens: list[int]) -> None:
@@ -315,6 +317,8 @@ class Scheduler:
         started = time.monotonic()
         while True:
             self._reap_cancelled()
+            if self.engine.interrupt is not None:
+                self.engine.interrupt.clear()  # an arrival from now on interrupts the step; earlier ones are admitted
             self._admit()
             if not self.lanes:
                 return
@@ -484,7 +488,9 @@ class Scheduler:
     def _step(self) -> bool:
         """One decode over every lane that runs this step; returns True when the tick should end."""
         finished = self._retire_prefilled()
-        plan = self._plan()
+        if any(lane.job.qos <= QOS_COMPLETION for lane in self.lanes):
+            self.pace.urgent()  # steps stay short while it runs
+        plan = self._plan(self.pace.step_s(self.engine.interrupt is not None))
         if not plan:
             if not finished:
                 time.sleep(0.005)  # throttled by the background rate: nothing runs this step
@@ -532,6 +538,9 @@ class Scheduler:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step: %d tokens over %d lanes in %.0f ms", len(tokens), len(plan), took * 1000)
                 break
+            except StepInterrupted:
+                self.stats.steps_interrupted += 1
+                return True  # nothing of it stands: the tick ends, and the next admits who interrupted it
             except KVFull:
                 if self.tiers.evict():
                     continue
@@ -595,8 +604,8 @@ class Scheduler:
             self._retire(lane, FINISH_NONE)
         return bool(done)
 
-    def _plan(self) -> list[tuple[Lane, list[int], int]]:
-        """Which tokens of which lanes go into this step's batch."""
+    def _plan(self, step_s: float) -> list[tuple[Lane, list[int], int]]:
+        """Which tokens of which lanes go into this step's batch, its prefill sized to last `step_s`."""
         lanes = self.lanes
         invariant = [lane for lane in lanes if lane.job.batch_invariant]
         if invariant:
@@ -605,17 +614,20 @@ class Scheduler:
         runnable = [lane for lane in lanes if lane.feed and not (throttled and lane.job.qos >= QOS_AGENT)]
         plan = []
         decoding = [lane for lane in runnable if lane.decoding]
-        if self.stats.steps % BATCH_DECODE_EVERY and any(
-            not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable
+        if (
+            step_s < STEP_BATCH_S
+            and self.stats.steps % BATCH_DECODE_EVERY
+            and any(not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable)
         ):
-            # batch work's first tokens first: while an agent's prompt prefills, the agents already
-            # decoding take every few steps only (their tokens come later, in fuller batches), and
-            # interactive lanes every step; a cache warm-up waits for no token
+            # batch work's first tokens first: while an agent's prompt prefills in short steps, the agents
+            # already decoding take every few steps only (their tokens come later, in fuller batches), and
+            # interactive lanes every step; a cache warm-up waits for no token. A long step carries them all:
+            # they cost it little
             decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
-        budget = self.pace.prefill_budget(inputs, self.engine.shape.batch)
+        budget = self.pace.prefill_budget(inputs, self.engine.shape.batch, step_s)
         prefilling = sorted(
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
@@ -628,6 +640,11 @@ class Scheduler:
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
+            if take == len(lane.feed) and not lane.job.prefill_only:
+                # a first token is not held for the head of the next prompt: the step stops short (a long
+                # step of eight agents' prompts gave them their first tokens half a step late)
+                inputs = sum(len(chunk) for _, chunk, _ in plan)
+                budget = min(budget, self.pace.prefill_budget(inputs, self.engine.shape.batch, STEP_TARGET_S, 0))
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:

@@ -27,6 +27,7 @@ class SchedulerStats:
     exports: int = 0
     imports: int = 0
     respawns: int = 0
+    steps_interrupted: int = 0  # steps stopped for an interactive arrival (`engine.interrupt`)
     queue_depth: list[int] = field(default_factory=lambda: [0] * QOS_CLASSES)
     lanes_active: int = 0
     tick_in_flight: bool = False
