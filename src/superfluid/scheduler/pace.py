@@ -62,10 +62,10 @@ class Pace:
             return STEP_URGENT_S
         return STEP_BATCH_S if interruptible else STEP_TARGET_S
 
-    def prefill_budget(self, inputs: int, batch: int, step_s: float, least: int = MIN_PREFILL) -> int:
-        """Prompt tokens a step of `step_s` that already carries `inputs` tokens may prefill (`least` at
-        least), in a batch of `batch`."""
-        return min(max(least, int(step_s / self.token_cost) - inputs), batch - inputs)
+    def prefill_budget(self, inputs: int, batch: int, step_s: float) -> int:
+        """Prompt tokens a step of `step_s` that already carries `inputs` tokens may prefill, in a batch of
+        `batch`."""
+        return min(max(MIN_PREFILL, int(step_s / self.token_cost) - inputs), batch - inputs)
 
     def prefilled(self, tokens: int, lanes: int, first_decode_s: float) -> None:
         """A step that prefilled `tokens` over `lanes` lanes took `first_decode_s` for its own batch."""

@@ -58,7 +58,7 @@ from ..protocol.schema import (
 )
 from .job import Job, Lane
 from .kv_tiers import KVTiers
-from .pace import STEP_BATCH_S, STEP_TARGET_S, Pace
+from .pace import STEP_BATCH_S, Pace
 from .park import Park
 from .prefix_cache import common_prefix
 from .speculate import SpecPolicy, SpecSettings
@@ -632,19 +632,18 @@ class Scheduler:
             (lane for lane in runnable if not lane.decoding), key=lambda lane: (lane.job.qos, len(lane.feed))
         )
         urgent = any(lane.job.qos <= QOS_COMPLETION for lane in prefilling)
+        completes = False  # a prompt completes in this step
         for lane in prefilling:
             if urgent and lane.job.qos > QOS_COMPLETION:
                 break  # an interactive prompt finishes with no lower-class prefill beside it
             take = min(len(lane.feed), budget)
-            if take <= 0:
+            if take <= 0 or (completes and take < len(lane.feed)):
+                # a first token is not held for the head of the next prompt (a long step of eight agents'
+                # prompts gave them their first tokens half a step late); whole prompts still share it
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
-            if take == len(lane.feed) and not lane.job.prefill_only:
-                # a first token is not held for the head of the next prompt: the step stops short (a long
-                # step of eight agents' prompts gave them their first tokens half a step late)
-                inputs = sum(len(chunk) for _, chunk, _ in plan)
-                budget = min(budget, self.pace.prefill_budget(inputs, self.engine.shape.batch, STEP_TARGET_S, 0))
+            completes = completes or (take == len(lane.feed) and not lane.job.prefill_only)
         return sorted(plan, key=lambda entry: entry[0].seq)  # consecutive slots batch together
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
