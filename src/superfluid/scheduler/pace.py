@@ -62,10 +62,14 @@ class Pace:
             return STEP_URGENT_S
         return STEP_BATCH_S if interruptible else STEP_TARGET_S
 
+    def tokens_in(self, step_s: float) -> int:
+        """Prompt tokens a step of `step_s` prefills."""
+        return int(step_s / self.token_cost)
+
     def prefill_budget(self, inputs: int, batch: int, step_s: float) -> int:
         """Prompt tokens a step of `step_s` that already carries `inputs` tokens may prefill, in a batch of
         `batch`."""
-        return min(max(MIN_PREFILL, int(step_s / self.token_cost) - inputs), batch - inputs)
+        return min(max(MIN_PREFILL, self.tokens_in(step_s) - inputs), batch - inputs)
 
     def prefilled(self, tokens: int, lanes: int, first_decode_s: float) -> None:
         """A step that prefilled `tokens` over `lanes` lanes took `first_decode_s` for its own batch."""

@@ -58,7 +58,7 @@ from ..protocol.schema import (
 )
 from .job import Job, Lane
 from .kv_tiers import KVTiers
-from .pace import STEP_BATCH_S, Pace
+from .pace import STEP_BATCH_S, STEP_TARGET_S, Pace
 from .park import Park
 from .prefix_cache import common_prefix
 from .speculate import SpecPolicy, SpecSettings
@@ -637,9 +637,12 @@ class Scheduler:
             if urgent and lane.job.qos > QOS_COMPLETION:
                 break  # an interactive prompt finishes with no lower-class prefill beside it
             take = min(len(lane.feed), budget)
-            if take <= 0 or (completes and take < len(lane.feed)):
-                # a first token is not held for the head of the next prompt (a long step of eight agents'
-                # prompts gave them their first tokens half a step late); whole prompts still share it
+            if completes and take < len(lane.feed):
+                # a first token is due: the next prompt's head shares the step only as far as a short step
+                # holds (a long step of eight agents' prompts gave them their first tokens half a step late);
+                # whole prompts share all of it, so a burst of short requests prefills together
+                take = min(take, self.pace.tokens_in(STEP_TARGET_S) - sum(len(c) for _, c, _ in plan))
+            if take <= 0:
                 break
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
