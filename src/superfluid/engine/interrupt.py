@@ -3,7 +3,8 @@
 llama.cpp asks a context's abort callback after every operation of a graph; when it answers
 true, `llama_decode` returns 2 and takes the ubatch's positions back out of the KV, so the
 step has left nothing behind and can run again. The scheduler prefills batch work in long
-steps (long chunks prefill faster) and sets the flag when interactive work arrives.
+steps (larger chunks prefill faster on larger models) and sets the flag when interactive
+work arrives.
 
 The flag is two bytes of a memory file, so the daemon can set it while a worker process
 decodes. The callback is libc's `strlen` over them: it reads `"\\x01\\0"` as 1 and `"\\0\\0"`
