@@ -825,13 +825,13 @@ def http_results(
     compare("burst sharing a system prompt: wall / llama-server", "burst_wall", "<= 0.5", "lower", "s")
     rounds, (plain,) = agents[("superfluid", "with the QoS header")], agents[("superfluid", "plain")]
     (exact,) = agents[("superfluid exact", "with the QoS header")]
-    peers = agents.get(("llama-server", "plain"))
+    peers = agents.get(("llama-server", "plain"), [])
     mine, peer = rounds[0], peers[0] if peers else None
     for key, name, target in (
         ("wall", "eight agents' wall / llama-server", "<= 0.7"),
         ("p50", "agent first token p50 / llama-server", "<= 0.8"),
     ):
-        if peers is None or peer is None:
+        if peer is None:
             results.append(Result(name, mine[key], target, False, "no llama-server figure", "s"))
             continue
         ratios = [a[key] / b[key] for a, b in zip(rounds, peers, strict=True)]

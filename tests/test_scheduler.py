@@ -180,6 +180,22 @@ def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_
         scheduler.stop()
 
 
+def test_an_interactive_arrival_does_not_interrupt_interactive_work() -> None:
+    engine = FakeEngine(sequences=4, window=1024, delay=0.01, interruptible=True)
+    scheduler = Scheduler(engine, lanes=2, window=1024)
+    scheduler.start()
+    try:
+        _first, a = started(scheduler, [3, 4, 5], 40, qos=0)
+        while len(a.out) < 5:
+            time.sleep(0.001)
+        _second, b = started(scheduler, [6, 7, 8], 8, qos=0)
+        assert a.done.wait(10) and b.done.wait(10)
+        assert scheduler.stats.steps_interrupted == 0, "only a step of batch work is ever interrupted"
+        assert a.out == alone([3, 4, 5], 40) and b.out == alone([6, 7, 8], 8)
+    finally:
+        scheduler.stop()
+
+
 def test_a_burst_sharing_a_prefix_prefills_it_once() -> None:
     context = FakeEngine(sequences=8, delay=0.002, batch=512)
     scheduler = Scheduler(context, lanes=4, window=1024)

@@ -123,6 +123,10 @@ class Scheduler:
         self._queue: list[Job] = []
         self._prefilled: list[int] = []  # slots whose long prompts were just prefilled, to park (write-behind)
         self._order = itertools.count()
+        # interactive and completion jobs submitted, and as many as the last admission saw; while a step of
+        # batch work is in flight, such an arrival interrupts it (`engine.interrupt`), and nothing else does
+        self._urgent_arrivals = self._admitted_arrivals = 0
+        self._batch_step = False
         self._admissions = itertools.count()
         self._cv = threading.Condition()
         self._stopping = False
@@ -177,8 +181,9 @@ class Scheduler:
             self._queue.append(job)
             if job.qos <= QOS_COMPLETION:
                 self.pace.urgent()
-                if self.engine.interrupt is not None:
-                    self.engine.interrupt.set()  # the step in flight stops: this job is admitted first
+                self._urgent_arrivals += 1
+                if self._batch_step and self.engine.interrupt is not None:
+                    self.engine.interrupt.set()  # the batch step in flight stops: this job is admitted first
             self._cv.notify()
 
     def warm(self, tokens: list[int]) -> None:
@@ -318,7 +323,8 @@ class Scheduler:
         while True:
             self._reap_cancelled()
             if self.engine.interrupt is not None:
-                self.engine.interrupt.clear()  # an arrival from now on interrupts the step; earlier ones are admitted
+                self.engine.interrupt.clear()
+            self._admitted_arrivals = self._urgent_arrivals  # admitted now, or waiting for a lane
             self._admit()
             if not self.lanes:
                 return
@@ -490,7 +496,8 @@ class Scheduler:
         finished = self._retire_prefilled()
         if any(lane.job.qos <= QOS_COMPLETION for lane in self.lanes):
             self.pace.urgent()  # steps stay short while it runs
-        plan = self._plan(self.pace.step_s(self.engine.interrupt is not None))
+        step_s = self.pace.step_s(self.engine.interrupt is not None)
+        plan = self._plan(step_s)
         if not plan:
             if not finished:
                 time.sleep(0.005)  # throttled by the background rate: nothing runs this step
@@ -531,7 +538,7 @@ class Scheduler:
         while True:
             try:
                 started = time.perf_counter()
-                drawn = self.engine.step(step)
+                drawn = self._engine_step(step, step_s == STEP_BATCH_S and not decode_only)
                 took = time.perf_counter() - started
                 if not decode_only:
                     self.pace.prefilled(len(tokens), len(owners), step.first_decode_s)
@@ -581,6 +588,21 @@ class Scheduler:
                 if lane.job.done:
                     break
         return finished | self._retire_prefilled()
+
+    def _engine_step(self, step: Step, batch_work: bool) -> list[list[int]]:
+        """The engine's step. One of `batch_work` stops (StepInterrupted) for an interactive or completion job
+        submitted since the last admission, whether it came before the step began or during it."""
+        interrupt = self.engine.interrupt
+        if not batch_work or interrupt is None:
+            return self.engine.step(step)
+        with self._cv:
+            self._batch_step = True
+            if self._urgent_arrivals != self._admitted_arrivals:
+                interrupt.set()
+        try:
+            return self.engine.step(step)
+        finally:
+            self._batch_step = False
 
     def _record_draft(self, job: Job, proposed: int, accepted: int) -> None:
         job.spec_proposed += proposed
