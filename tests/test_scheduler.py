@@ -180,6 +180,22 @@ def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_
         scheduler.stop()
 
 
+def test_a_cancel_frees_its_lane_without_waiting_for_the_long_step_in_flight() -> None:
+    engine = FakeEngine(sequences=4, window=1024, position_delay=0.002, interruptible=True)
+    scheduler = Scheduler(engine, lanes=2, window=1024)
+    scheduler.start()
+    try:
+        job, sink = started(scheduler, [5 + i % 50 for i in range(1000)], 8, qos=3)
+        time.sleep(1.0)  # into its second step, of about a second
+        cancelled = time.monotonic()
+        scheduler.cancel(job)
+        assert sink.done.wait(10)
+        assert sink.when - cancelled < 0.3, f"the lane was freed {sink.when - cancelled:.2f} s after the cancel"
+        assert scheduler.stats.steps_interrupted == 1
+    finally:
+        scheduler.stop()
+
+
 def test_an_interactive_arrival_does_not_interrupt_interactive_work() -> None:
     engine = FakeEngine(sequences=4, window=1024, delay=0.01, interruptible=True)
     scheduler = Scheduler(engine, lanes=2, window=1024)

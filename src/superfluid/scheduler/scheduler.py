@@ -124,7 +124,7 @@ class Scheduler:
         self._prefilled: list[int] = []  # slots whose long prompts were just prefilled, to park (write-behind)
         self._order = itertools.count()
         # interactive and completion jobs submitted, and as many as the last admission saw; while a step of
-        # batch work is in flight, such an arrival interrupts it (`engine.interrupt`), and nothing else does
+        # batch work is in flight, such an arrival or a cancel interrupts it (`engine.interrupt`)
         self._urgent_arrivals = self._admitted_arrivals = 0
         self._batch_step = False
         self._admissions = itertools.count()
@@ -195,6 +195,8 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         with self._cv:
             job.cancelled = True
+            if self._batch_step and self.engine.interrupt is not None:
+                self.engine.interrupt.set()  # a client that hung up gets its lane back now, not after the step
             self._cv.notify()
 
     def kv_tokens(self) -> int:
