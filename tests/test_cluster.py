@@ -186,10 +186,18 @@ def test_a_request_for_a_session_served_elsewhere_is_answered_by_its_owner(daemo
         deltas, summary = forced(c, session, 5)
     assert summary.tokens_generated == 5 and summary.events == deltas
     assert events_of(a, session)[-len(deltas) :] == deltas, "a committed what b's client was sent"
-    # b's access log names where it sent them
+    # b's access log names where it sent them; a line is written once its reply has ended, which a
+    # client may see a moment before it
+    lines = (
+        f"POST /web/stream 200 forwarded_to={a.url} ",
+        f"socket Generate ok session={session} forwarded_to={a.url} ",
+    )
+    deadline = time.monotonic() + 5
+    while not all(line in b.log.read_text() for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
     access = b.log.read_text()
-    assert f"POST /web/stream 200 forwarded_to={a.url} " in access, access[-2000:]
-    assert f"socket Generate ok session={session} forwarded_to={a.url} " in access, access[-2000:]
+    assert lines[0] in access, access[-2000:]
+    assert lines[1] in access, access[-2000:]
 
     # a client of b that hangs up frees a's lane
     long = {"session": session, "max_tokens": 1500, "ignore_eos": True}
