@@ -8,11 +8,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 
-# llama.cpp is compiled for this CPU with only the kernels that compute a token the same
-# way whatever else shares its batch, so a cut, resumed, forked or replayed greedy run
-# equals the uncut one: no llamafile sgemm (taken from two tokens on), no repacked
-# weights (gemm or gemv by batch size), no AMX (it also faults in some virtual machines),
-# and on arm64 no int8 matrix-multiply kernels (taken for even batch sizes).
+# The llama-cpp-python wheel (the daemon's library, and a worker's where the fast build below is
+# missing) is compiled for this CPU with only the kernels that compute a token the same way
+# whatever else shares its batch, so a cut, resumed, forked or replayed greedy run equals the
+# uncut one: no llamafile sgemm (taken from two tokens on), no repacked weights (gemm or gemv by
+# batch size), no AMX (it also faults in some virtual machines), and on arm64 no int8
+# matrix-multiply kernels (taken for even batch sizes).
 # superfluid checks the library it loads (src/superfluid/engine/build.py).
 LLAMA_VERSION := 0.3.36
 ifeq ($(shell uname -m),aarch64)
@@ -56,11 +57,13 @@ WHEEL_TAG := $(shell echo '$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)' | md5sum | cut 
 WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
 # llama.cpp built once per CPU from the same source, with cmake: `fast` is llama.cpp as it
-# builds itself (every kernel this CPU has, AMX left out as above; scripts/patches applied,
-# which make decodes of several positions cheaper and change no result), whose libllama.so the
-# workers load by default (`--kernels fast`, linked at .venv/llama-fast); `make bench` adds
-# llama-server and llama-batched-bench to it, and llama-batched-bench built with the exact
-# flags above (what superfluid's `--kernels exact` costs).
+# builds itself (every kernel this CPU has, AMX left out as above) with scripts/patches applied,
+# which make decodes of several positions cheaper and, on x86, have llamafile's sgemm take
+# one-token products too, so it ignores the batch. Its libllama.so is what workers load
+# (linked at .venv/llama-fast): on `--kernels exact`, the default, with the repacked-weight and
+# tiled kernels left off at run time; on `--kernels fast` with them. `make bench` adds
+# llama-server and llama-batched-bench to it, and llama-batched-bench built with the wheel's
+# flags above.
 # Our patches to that source (scripts/patches) are part of its name: a build from other
 # patches is never picked up again.
 PATCHES_ID := $(shell cat scripts/patches/*.patch | md5sum | cut -c1-6)

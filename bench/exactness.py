@@ -1,7 +1,10 @@
 """Where llama.cpp's arithmetic depends on how a token reached it.
 
-    .venv/bin/python bench/exactness.py              # every path, 4 prompts, 200 tokens each
-    .venv/bin/python bench/exactness.py --tokens 64  # shorter
+    .venv/bin/python bench/exactness.py                   # every path, 4 prompts, 200 tokens each
+    .venv/bin/python bench/exactness.py --tokens 64       # shorter
+    .venv/bin/python bench/exactness.py --kernels fast    # with repacked weights and tiled kernels
+    .venv/bin/python bench/exactness.py --library wheel   # llama-cpp-python's own library
+    .venv/bin/python bench/exactness.py --model my.gguf   # another model (its weight types pick kernels)
 
 A greedy run is computed once the way a lone lane computes it (the prompt prefilled in one
 chunk, then one decode step per token), and its logits kept. Then the same tokens are fed
@@ -9,8 +12,14 @@ again along each path the scheduler can take (a bulk re-prefill after a restart,
 prompt token decoded alone, small prefill chunks, seven other lanes in the batch, a KV copied
 from another slot, a state exported to host memory and imported again, a prefill step
 interrupted by an interactive arrival and run again) and every step's
-logits are compared bit for bit with the reference. For each path it prints the first
+logits are compared bit for bit with the reference, and so are those of the reply checked
+five positions per step, as speculation checks a draft. For each path it prints the first
 position whose logits differ in any bit, or that all of them are identical.
+
+It runs on the library and kernels a worker runs by default: the fast build (`.venv/llama-fast`)
+with `--kernels exact`. `--kernels fast` lets the weights be repacked and the tiled K-quant
+kernels run, as `serve --kernels fast` does; `--library wheel` probes llama-cpp-python's own
+library, which `--no-worker-process` runs.
 
 A path that differs breaks the promise that a cut, resumed, forked or crash-replayed greedy
 run equals the uncut one. The library's build flags come first in the output (llama.cpp's
@@ -20,13 +29,17 @@ system info), since they decide which kernels run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
+from superfluid.config import KERNELS
+from superfluid.engine.build import TILED_ENV, fast_library
 from superfluid.engine.interface import ContextShape, StepInterrupted
 from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.llama import LlamaContext, LlamaModel
@@ -39,6 +52,7 @@ PROMPTS = (
     "Describe a day in a busy city market.",
 )
 OTHERS = 7  # lanes sharing the batch in the "batched" path
+DRAFT = 5  # positions a draft check decodes in one step: the last accepted token and a draft of 4 (the default)
 BATCH = 512
 
 
@@ -116,7 +130,7 @@ def _first_difference(expected: list[np.ndarray], got: list[np.ndarray]) -> int 
     return None
 
 
-Path = Callable[[Probe, list[int], list[int]], list[np.ndarray]]
+EnginePath = Callable[[Probe, list[int], list[int]], list[np.ndarray]]
 
 
 def replayed(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
@@ -167,6 +181,22 @@ def batched(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]
     return result
 
 
+def drafted(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
+    """Speculation: the reply checked DRAFT tokens per step, each step's logits read at every position."""
+    probe.clear()
+    result = [probe.feed(0, prompt, 0)]
+    for at in range(0, len(out) - 1, DRAFT):
+        part = out[at : min(at + DRAFT, len(out) - 1)]
+        rows = probe.context.decode(
+            np.asarray(part, dtype=np.int32),
+            np.arange(len(prompt) + at, len(prompt) + at + len(part), dtype=np.int32),
+            np.zeros(len(part), dtype=np.int32),
+            np.ones(len(part), dtype=np.int8),
+        )
+        result.extend(row.copy() for row in rows)
+    return result
+
+
 def copied(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndarray]:
     """A fork: the prompt's KV copied from another slot, the last prompt token decoded in the copy."""
     probe.clear()
@@ -204,11 +234,12 @@ def interrupted(probe: Probe, prompt: list[int], out: list[int]) -> list[np.ndar
     return probe.decode_from(0, out, len(prompt), probe.feed(0, prompt[half:], half))
 
 
-PATHS: dict[str, Path] = {
+PATHS: dict[str, EnginePath] = {
     "bulk re-prefill after a restart (prompt + half the reply)": replayed,
     "last prompt token decoded alone": last_alone,
     "prompt prefilled in 7-token chunks": small_chunks,
     "batched with 7 other lanes": batched,
+    "a draft of 4 checked per step (speculation)": drafted,
     "KV copied from another slot": copied,
     "state exported and imported": imported,
     "a prefill step interrupted and run again": interrupted,
@@ -241,14 +272,36 @@ def probe_all(
     return found
 
 
+def probe_environment(library: str, kernels: str) -> dict[str, str]:
+    """This process's environment, with the library and the tiled kernels' switch a probe asks for."""
+    environment = dict(os.environ)
+    environment.pop("LLAMA_CPP_LIB_PATH", None)
+    if library == "fast":
+        where = fast_library()
+        if where is None:
+            sys.exit("the fast build is not installed: `make` builds it into .venv/llama-fast")
+        environment["LLAMA_CPP_LIB_PATH"] = str(where)
+    environment[TILED_ENV] = "0" if kernels == "exact" else "1"
+    return environment
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="greedy tokens per prompt (default: 200)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
     parser.add_argument("--flash-attn", action="store_true", help="with flash attention (superfluid runs without)")
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
+    parser.add_argument(
+        "--library", choices=("fast", "wheel"), default="fast", help="the llama.cpp library (default: fast)"
+    )
+    parser.add_argument("--kernels", choices=KERNELS, default="exact", help="as serve's --kernels (default: exact)")
     args = parser.parse_args()
+    environment = probe_environment(args.library, args.kernels)
+    if any(os.environ.get(name) != environment.get(name) for name in ("LLAMA_CPP_LIB_PATH", TILED_ENV)):
+        # the library is loaded when llama_cpp is imported, and the tiled kernels read their switch once
+        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     print(system_info())
-    model = LlamaModel(embedded_model().path)
+    model = LlamaModel(args.model or embedded_model().path, exact=args.kernels == "exact")
     results = probe_all(model, list(PROMPTS), args.tokens, args.threads, args.flash_attn)
     width = max(len(name) for name in PATHS)
     for name in PATHS:

@@ -10,6 +10,7 @@ the suite runs on (text may differ from CPU to CPU; the equality may not).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -45,7 +46,19 @@ def test_the_llama_cpp_library_is_built_for_exactness() -> None:
     )
 
 
-def test_every_engine_path_computes_bit_identical_logits() -> None:
+def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
+    # what a worker runs by default: the fast build with exact kernels, probed in a process of its own,
+    # since a process loads one library (bench/exactness.py --library fast --kernels exact)
+    probe = [sys.executable, str(Path(exactness.__file__)), "--tokens", "40"]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=600)
+    assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    paths = [line for line in done.stdout.splitlines() if line.split()[-1:] == ["same"]]
+    assert len(paths) == len(exactness.PATHS), done.stdout
+
+
+def test_every_engine_path_computes_bit_identical_logits_on_llama_cpp_pythons_library() -> None:
+    # what --no-worker-process runs, in this process
     from superfluid.engine.llama import LlamaModel
     from superfluid.model.resolve import embedded_model
 

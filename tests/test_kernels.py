@@ -1,7 +1,9 @@
-"""Which llama.cpp build a model runs on: llama.cpp's own (`--kernels fast`, the default) or the exact one.
+"""Which llama.cpp library and kernels a model runs on: the fast build (scripts/patches applied), exactly by
+default or with every kernel on `--kernels fast`, or llama-cpp-python's own library.
 
-The worker's memory map names the library it loaded, so these tests see the build itself,
-not a flag echoed back. What they generate is checked with what holds on every machine
+The worker's memory map names the library it loaded and its environment the kernels it was told to run
+(`superfluid.engine.build.worker_environment`), so these tests see the process itself, not a flag echoed
+back. What they generate is checked with what holds on every machine
 (a forced length with end-of-generation banned), since the fast kernels' text is this CPU's.
 """
 
@@ -14,19 +16,22 @@ import llama_cpp
 import pytest
 from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 
-from superfluid.engine.build import fast_library
+from superfluid.engine.build import EXACT_ENV, TILED_ENV, fast_library
 
 pytestmark = pytest.mark.e2e
 
 
-def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path]:
-    """The default model's kernels as /v1/models reports them, and the libllama its worker has mapped."""
+def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
+    """The default model's kernels as /v1/models reports them, the libllama its worker has mapped, and the
+    kernel switches in the worker's environment."""
     entry = next(m for m in httpx.get(f"{daemon.url}/v1/models").json()["data"] if m["default"])
     pid = entry["runtime"]["worker_pid"]
     maps = Path(f"/proc/{pid}/maps").read_text().split("\n")
     paths = {Path(line.split()[-1]) for line in maps if "libllama.so" in line}
     assert len(paths) == 1, paths
-    return entry["runtime"]["kernels"], paths.pop().parent.resolve()
+    variables = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    switches = {name: variables.get(name, "") for name in (EXACT_ENV, TILED_ENV)}
+    return entry["runtime"]["kernels"], paths.pop().parent.resolve(), switches
 
 
 def serves_a_forced_length(daemon: DaemonProcess, tokens: int) -> None:
@@ -37,26 +42,47 @@ def serves_a_forced_length(daemon: DaemonProcess, tokens: int) -> None:
         forced(c, session, tokens)
 
 
-def test_a_daemon_runs_on_llama_cpps_own_build_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     library = fast_library()
     assert library is not None, "make installs llama.cpp's own build at .venv/llama-fast"
     monkeypatch.delenv("SUPERFLUID_KERNELS")
     daemon = HttpDaemon(tmp_path, max_context=1024, max_batch=2).start()
     try:
-        assert "on fast kernels" in daemon.log.read_text()
-        kernels, loaded = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("fast", library.resolve())
+        assert "on exact kernels" in daemon.log.read_text()
+        kernels, loaded, switches = loaded_libllama(daemon)
+        assert (kernels, loaded) == ("exact", library.resolve())
+        assert switches == {EXACT_ENV: "1", TILED_ENV: "0"}  # no repacked weights, no tiled kernels
         serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
 
 
-def test_exact_kernels_run_on_the_library_llama_cpp_python_loads(tmp_path: Path) -> None:
+def test_kernels_fast_runs_the_fast_build_with_every_kernel(tmp_path: Path) -> None:
+    library = fast_library()
+    assert library is not None
+    daemon = HttpDaemon(tmp_path, "--kernels", "fast", max_context=1024, max_batch=2).start()
+    try:
+        assert "on fast kernels" in daemon.log.read_text()
+        kernels, loaded, switches = loaded_libllama(daemon)
+        assert (kernels, loaded) == ("fast", library.resolve())
+        assert switches == {EXACT_ENV: "0", TILED_ENV: "1"}
+        serves_a_forced_length(daemon, 24)
+    finally:
+        daemon.stop()
+
+
+def test_without_the_fast_build_exact_kernels_run_on_the_library_llama_cpp_python_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SUPERFLUID_FAST_LIB", str(tmp_path / "nothing-here"))
     daemon = HttpDaemon(tmp_path, "--kernels", "exact", max_context=1024, max_batch=2).start()
     try:
         assert "on exact kernels" in daemon.log.read_text()
-        kernels, loaded = loaded_libllama(daemon)
+        kernels, loaded, switches = loaded_libllama(daemon)
         assert (kernels, loaded) == ("exact", (Path(llama_cpp.__file__).parent / "lib").resolve())
+        assert switches == {EXACT_ENV: "1", TILED_ENV: "0"}
     finally:
         daemon.stop()
 

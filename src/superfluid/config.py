@@ -92,7 +92,9 @@ class ServeConfig:
     http_qos_header: bool = True
     http_allow_batch_invariant: bool = False
     worker_process: bool = True  # llama.cpp in a worker process, so its crash is not the daemon's
-    kernels: str = "fast"  # llama.cpp's own build ("fast") or the build whose logits ignore the batch ("exact")
+    # "exact": a token's logits ignore its batch; "fast": every kernel llama.cpp has; None: exact where the
+    # library allows it, else fast (superfluid.engine.build)
+    kernels: str | None = None
     # where the weights go (superfluid.engine.devices.Placement): --gpu-layers (-1 all; None: all on a GPU
     # build, none on a CPU one), --gpu (GPU indices; none: every GPU), --tensor-split (shares per GPU)
     gpu_layers: int | None = None

@@ -623,13 +623,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     scheduling.add_argument(
         "--kernels",
         choices=KERNELS,
-        default="fast",
-        help="fast: llama.cpp as it builds itself, with every matrix kernel this CPU has (1.06-1.4x faster "
-        "prefill; a token's logits may change in the last bits with what shares its batch, so a cut, resumed "
-        "or replayed greedy run can part from the uncut one); exact: a build whose kernels ignore the batch, "
-        "so continuations, forks and replays equal the uncut run bit for bit, refused where llama-cpp-python "
-        "was not compiled for it (default: fast; without a worker process or a separate fast build, whichever "
-        "llama-cpp-python's own library is)",
+        default=None,
+        help="exact: a token's logits do not depend on what shares its batch, so continuations, forks, "
+        "replays and speculation equal the uncut run bit for bit; fast: also llama.cpp's repacked-weight and "
+        "tiled K-quant kernels, which prefill Q4_0 and K-quant models faster and give that up (Q4_1, Q8_0 and "
+        "F16 models run the same kernels either way). Explicit exact is refused where llama-cpp-python was "
+        "not compiled for it (default: exact where the library allows it, else fast)",
     )
     scheduling.add_argument(
         "--gpu-layers",

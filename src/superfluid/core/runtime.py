@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SamplingDefaults, ServeConfig
-from ..engine.build import amx_compiled, batch_dependent_kernels, exact_refusal, fast_environment, fast_library
+from ..engine.build import amx_compiled, exact_refusal, fast_library, gpu_backends, worker_environment
 from ..engine.interface import ContextShape, Engine, EngineError
 from ..engine.interrupt import Interrupt
 from ..engine.llama import LlamaContext, LlamaModel
@@ -132,17 +132,34 @@ def chat_template(model: LlamaModel, config: ServeConfig | None = None) -> ChatT
     return template
 
 
+NO_FAST_BUILD = (
+    "llama.cpp's own build is not installed (`make serve` builds it into .venv/llama-fast, or point "
+    "$SUPERFLUID_FAST_LIB at a directory with its libllama.so): running on the exact build, which prefills slower"
+)
+
+
 def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
-    """The build a model runs on ("fast" or "exact") and what a worker's environment needs for it; the log
-    says why where that is not the build asked for. `--kernels exact` on a library that is not exact is
-    refused with the reason and the fix (`exact_refusal`)."""
-    if config.kernels == "exact":
-        if (refusal := exact_refusal()) is not None:
+    """The kernels a model runs on ("exact" or "fast") and what a worker's environment needs for them; the
+    log says why where that is not what was asked. Exact, unless `--kernels fast` asks otherwise: on the
+    fast build in a worker (which refuses to start on a library that cannot keep the promise), else on
+    llama-cpp-python's own library. Where that library cannot, an explicit `--kernels exact` is refused with
+    the reason and the fix (`exact_refusal`), and the default falls back to fast."""
+    library = fast_library() if config.worker_process else None
+    if config.kernels != "fast":
+        refusal = exact_refusal()
+        if library is not None and not gpu_backends():  # a GPU build has the backend in both libraries
+            return "exact", worker_environment(library, exact=True)
+        if refusal is None:
+            if not config.worker_process:
+                return "exact", None
+            log.warning(NO_FAST_BUILD)
+            return "exact", worker_environment(None, exact=True)
+        if config.kernels == "exact":
             raise ModelError(refusal)
-        return "exact", None
+        log.warning("serving --kernels fast: %s", refusal)
     # llama-cpp-python's own library: the exact build `make` compiles, or, after a plain
     # `pip install`, llama.cpp as it builds itself
-    own = "fast" if batch_dependent_kernels() else "exact"
+    own = "fast" if exact_refusal() else "exact"
     if not config.worker_process:
         log.warning(
             "--no-worker-process runs llama.cpp in the daemon, on llama-cpp-python's library (%s kernels); "
@@ -150,20 +167,16 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
             own,
         )
         return own, None
-    library = fast_library()
     if library is not None:
-        return "fast", fast_environment(library)
+        return "fast", worker_environment(library, exact=False)
     if own == "fast":
         log.info(
             "no separate fast build is installed: running on llama-cpp-python's, which is llama.cpp's own%s",
             " (its AMX kernels left off)" if amx_compiled() else "",
         )
-        return "fast", fast_environment(None)
-    log.warning(
-        "llama.cpp's own build is not installed (`make serve` builds it into .venv/llama-fast, or point "
-        "$SUPERFLUID_FAST_LIB at a directory with its libllama.so): running on the exact build"
-    )
-    return "exact", None
+        return "fast", worker_environment(None, exact=False)
+    log.warning(NO_FAST_BUILD)
+    return "exact", worker_environment(None, exact=True)
 
 
 def open_park(config: ServeConfig, identity: bytes) -> Park | None:
@@ -186,7 +199,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
     kernels, environment = kernels_for(config)
     placement = Placement(config.gpu_layers, config.gpus, config.tensor_split)
-    model = LlamaModel(path, vocab_only=config.worker_process, placement=placement)
+    model = LlamaModel(path, vocab_only=config.worker_process, placement=placement, exact=kernels == "exact")
     if config.fim_tokens is not None:
         model.set_fim(*config.fim_tokens)
     template = chat_template(model, config)
@@ -208,7 +221,9 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         engine = worker
     else:
         engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
-    park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, shape.flash_attention))
+    # a state is computed by one library: the fast build's and the wheel's exact kernels round differently
+    library = (environment or {}).get("LLAMA_CPP_LIB_PATH", "llama-cpp-python")
+    park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, library, shape.flash_attention))
     scheduler = Scheduler(
         engine,
         lanes=config.max_batch,

@@ -1,12 +1,10 @@
 """Which llama.cpp library a model runs on, and is it built so that batching never changes a token's arithmetic?
 
 Two builds of the same llama.cpp are installed. The wheel llama-cpp-python loads in every
-process is the exact one (below). The fast one is llama.cpp as it builds itself, with every
-kernel this CPU has (and scripts/patches, which change no result); `make` installs it at
-`.venv/llama-fast` and a worker loads it through llama-cpp-python's `LLAMA_CPP_LIB_PATH`.
-The fast build prefills 1.06-1.4x faster, by CPU, and its logits depend on the batch:
-`--kernels fast` (the default) trades exact continuations for that speed, `--kernels exact`
-keeps them.
+process is compiled without the kernels that depend on the batch (below). The fast one is
+llama.cpp as it builds itself, with every kernel this CPU has and scripts/patches applied;
+`make` installs it at `.venv/llama-fast` and a worker loads it through llama-cpp-python's
+`LLAMA_CPP_LIB_PATH`.
 
 llama.cpp picks some matrix kernels by how many tokens share a batch: llamafile's sgemm
 from two tokens on, repacked weights (gemm for groups of four, gemv for the rest), AMX
@@ -14,8 +12,21 @@ tiles, arm64's int8 matrix-multiply kernels for even batch sizes, and the tiled 
 kernels from eight rows on. Each of them rounds differently from the one-token kernel, so a
 prompt prefilled in bulk, a token decoded alone and a lane batched with others would get
 logits that differ in the last bits, and greedy text flips wherever two logits are close.
-The Makefile compiles llama.cpp without the first four; the tiled kernels are switched off
-by `GGML_CPU_TILED_MM=0`, which must be in the environment before the first decode.
+
+`--kernels exact` (the default wherever the library allows it) keeps them all out:
+- llamafile's sgemm: our patch (scripts/patches/sgemm-one-column.patch) has it take one-token
+  products too on x86, so every token goes through the same kernel; the library then names
+  `BATCH_INVARIANT_SGEMM` in its system info. The wheel is compiled without sgemm instead.
+- repacked weights, AMX and arm64's KleidiAI: llama.cpp runs them only on weights it moves to
+  its extra buffer types, which an exact process leaves off (`LlamaModel`). They
+  speed up Q4_0, Q4_K and IQ4_NL weights; Q4_1, Q8_0 and F16 ones never take them.
+- the tiled K-quant kernels: off through `GGML_CPU_TILED_MM=0`, which must be in the
+  environment before the first decode.
+- arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
+  so exact kernels on arm64 run on the wheel.
+`--kernels fast` runs the fast build with all of them, which makes Q4_0 and K-quant models
+prefill faster and gives up exact continuations on them. A worker learns which from
+`SUPERFLUID_EXACT` in its environment; every other process computes exactly.
 
 On a GPU build (`make serve GPU=cuda` or `GPU=metal`: docs/deployment/gpu.md) the layers on the GPU
 run the GPU backend's kernels, which pick their matrix multiplication by batch size too (CUDA's
@@ -23,9 +34,9 @@ MMQ, MMVQ and cuBLAS paths, with tiles and split-K by shape) and have not been s
 batch: `--kernels exact` is refused there (`gpu_backends`), and `--kernels fast` is what runs.
 
 `pip install superfluid` cannot do the same: a package cannot set the compile flags of its
-dependencies, so pip builds llama-cpp-python from source with llama.cpp's defaults, which is
-the fast build. Such a daemon serves `--kernels fast` on llama-cpp-python's own library and
-refuses `--kernels exact` with the command that reinstalls it exact (`exact_refusal`).
+dependencies, so pip builds llama-cpp-python from source with llama.cpp's defaults. Such a
+daemon serves `--kernels fast` on llama-cpp-python's own library, and refuses an explicit
+`--kernels exact` with the command that reinstalls it exact (`exact_refusal`).
 """
 
 from __future__ import annotations
@@ -41,7 +52,12 @@ FAST_LIBRARY_ENV = "SUPERFLUID_FAST_LIB"  # a directory holding the fast build's
 
 # system-info features whose kernels depend on the batch shape
 BATCH_DEPENDENT = ("LLAMAFILE", "REPACK", "AMX_INT8", "MATMUL_INT8", "KLEIDIAI")
+# those llama.cpp runs only on weights in its extra buffer types, which an exact process leaves off
+EXTRA_BUFFER_KERNELS = ("REPACK", "AMX_INT8", "KLEIDIAI")
+# named by a library whose llamafile sgemm takes one-token products too (scripts/patches/sgemm-one-column.patch)
+INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
+EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
 # backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
 GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
 
@@ -73,7 +89,15 @@ def features(info: str) -> dict[str, str]:
 def batch_dependent_kernels(info: str | None = None) -> list[str]:
     """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape."""
     present = features(system_info() if info is None else info)
-    return [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
+    compiled = [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
+    if present.get(INVARIANT_SGEMM, "0") != "0":
+        compiled.remove("LLAMAFILE")
+    return compiled
+
+
+def exact_wanted() -> bool:
+    """Whether this process computes so that a token's logits ignore its batch: all but a fast worker's."""
+    return os.environ.get(EXACT_ENV, "1") != "0"
 
 
 def gpu_backends(info: str | None = None) -> list[str]:
@@ -96,8 +120,11 @@ def tiled_kernels_on() -> bool:
 
 
 def exactness_problems(info: str | None = None) -> list[str]:
-    """What in the loaded library (or `info`) lets the batch shape change a token's logits; empty when nothing does."""
-    problems = [f"{name} kernels are compiled in" for name in batch_dependent_kernels(info)]
+    """What in the loaded library (or `info`) lets the batch shape change a token's logits in an exact process
+    (which leaves the extra buffer types off); empty when nothing does."""
+    compiled = [name for name in batch_dependent_kernels(info) if name not in EXTRA_BUFFER_KERNELS]
+    problems = [f"{name} kernels are compiled in" for name in compiled]
+    problems += [f"the {name} backend is compiled in" for name in gpu_backends(info)]
     if tiled_kernels_on():
         problems.append(f"tiled K-quant kernels are on ({TILED_ENV} is not 0)")
     return problems
@@ -125,7 +152,7 @@ def exact_refusal(info: str | None = None) -> str | None:
             "the GPU kernels llama.cpp picks by batch size have not been shown to keep it; serve --kernels fast "
             "here, or --kernels exact on a CPU build (`make serve`; docs/deployment/gpu.md)"
         )
-    compiled = batch_dependent_kernels(info)
+    compiled = [name for name in batch_dependent_kernels(info) if name not in EXTRA_BUFFER_KERNELS]
     if compiled:
         # pip caches the wheel it built by the source's address, not its flags: --no-cache-dir builds anew
         install = (
@@ -149,7 +176,8 @@ def fast_library() -> Path | None:
     return where if (where / "libllama.so").exists() else None
 
 
-def fast_environment(library: Path | None) -> dict[str, str]:
-    """What a worker's environment needs to run on a fast build: its library (None: the one llama-cpp-python
-    loads by itself), its tiled kernels on."""
-    return {TILED_ENV: "1"} if library is None else {"LLAMA_CPP_LIB_PATH": str(library), TILED_ENV: "1"}
+def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
+    """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
+    itself): exactly (tiled kernels and extra buffer types off), or with every fast kernel."""
+    environment = {TILED_ENV: "0" if exact else "1", EXACT_ENV: "1" if exact else "0"}
+    return environment if library is None else {"LLAMA_CPP_LIB_PATH": str(library), **environment}

@@ -73,12 +73,23 @@ class LlamaModel:
     `placement` says (by default, where the `SUPERFLUID_*` variables of `--gpu-layers` and its
     fellows say: `placement.py`)."""
 
-    def __init__(self, path: Path, *, vocab_only: bool = False, placement: Placement | None = None) -> None:
+    def __init__(
+        self, path: Path, *, vocab_only: bool = False, placement: Placement | None = None, exact: bool | None = None
+    ) -> None:
         _backend_init()
         self.path = path
+        # exact (by default, unless a fast worker's environment says otherwise): a token's logits ignore its
+        # batch, so no extra buffer types (repacked weights), and a library that cannot keep that is refused
+        exact = build.exact_wanted() if exact is None else exact
+        if exact and not vocab_only and (problems := build.exactness_problems()):
+            library = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own"
+            raise EngineError(
+                f"the llama.cpp library ({library}) cannot compute a token the same whatever its batch: "
+                f"{'; '.join(problems)}. Serve --kernels fast to run on it"
+            )
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
-        params.use_extra_bufts = not build.amx_compiled()  # never AMX: see amx_compiled
+        params.use_extra_bufts = not exact and not build.amx_compiled()  # never AMX: see amx_compiled
         self.gpu_layers = 0  # the n_gpu_layers it loaded with (-1: every layer)
         self.gpus: list[Device] = []  # the GPUs its layers are on
         params.n_gpu_layers = 0
