@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SamplingDefaults, ServeConfig
-from ..engine.build import amx_compiled, exact_refusal, fast_library, gpu_backends, worker_environment
+from ..engine.build import amx_compiled, exact_refusal, fast_build_exact, fast_library, worker_environment
 from ..engine.interface import ContextShape, Engine, EngineError
 from ..engine.interrupt import Interrupt
 from ..engine.llama import LlamaContext, LlamaModel
@@ -147,7 +147,7 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
     library = fast_library() if config.worker_process else None
     if config.kernels != "fast":
         refusal = exact_refusal()
-        if library is not None and not gpu_backends():  # a GPU build has the backend in both libraries
+        if library is not None and fast_build_exact():
             return "exact", worker_environment(library, exact=True)
         if refusal is None:
             if not config.worker_process:

@@ -176,6 +176,13 @@ def fast_library() -> Path | None:
     return where if (where / "libllama.so").exists() else None
 
 
+def fast_build_exact() -> bool:
+    """Whether the fast build `make` installs can run exact kernels here: on x86, where our sgemm patch
+    applies (arm64's build keeps its int8 matrix kernels), and not on a GPU build (whose backend both
+    libraries have)."""
+    return platform.machine() in ("x86_64", "AMD64") and not gpu_backends()
+
+
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
     itself): exactly (tiled kernels and extra buffer types off), or with every fast kernel."""
