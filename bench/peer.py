@@ -9,6 +9,7 @@ same commit superfluid runs), at its own defaults; `batched_bench` runs llama.cp
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -118,12 +119,21 @@ class LlamaServer(Server):
         super().__init__(args, root / "llama-server.log", port)
 
 
-def batched_bench(binary: Path, model: Path, prompt: int, tokens: int, streams: list[int], *flags: str) -> list[dict]:
-    """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s."""
+def batched_bench(
+    binary: Path,
+    model: Path,
+    prompt: int,
+    tokens: int,
+    streams: list[int],
+    *flags: str,
+    environment: dict[str, str] | None = None,
+) -> list[dict]:
+    """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s;
+    `environment` is added to this process's."""
     context = max(streams) * (prompt + tokens) + 64
     args = [str(binary), "-m", str(model), "-c", str(context), "-npp", str(prompt), "-ntg", str(tokens)]
     args += ["-npl", ",".join(map(str, streams)), "--output-format", "jsonl", *flags]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1800, env={**os.environ, **(environment or {})})
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")

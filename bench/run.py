@@ -14,9 +14,11 @@
 
 Thirteen sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
-  flash attention as llama.cpp chooses, one unified KV), at superfluid's two settings
-  (`--kernels fast`: llama.cpp's build, and `--kernels exact`: the exact build, both with
-  no flash attention and a KV stream per sequence) and at two settings between;
+  flash attention as llama.cpp chooses, one unified KV), with flash attention on a KV stream
+  per sequence, at superfluid's two settings (`--kernels exact`, the default, and `--kernels
+  fast`: llama.cpp's build with our patches, no flash attention, a KV stream per sequence;
+  exact leaves repacked weights and tiled kernels off) and on the wheel's build, which exact
+  kernels run on where that build is missing;
 - http: superfluid (default kernels, and `--kernels exact` for the agents) and llama-server
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
   idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both
@@ -411,21 +413,31 @@ def socket_section(
 
 # ---- engine: llama.cpp's own loop, at its defaults and at superfluid's settings ----
 
-# the first is llama.cpp's defaults, the last superfluid's settings; those between show which
-# part of the difference the build makes and which part flash attention makes
-ENGINE_CONFIGS = (
-    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu")),
-    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on")),
+# the first is llama.cpp's defaults, then flash attention alone, then superfluid's two settings on the
+# fast build, then the wheel's build, which exact kernels run on where the fast build is not installed.
+# Each is (name, build, flags, environment).
+TILED_OFF = {"GGML_CPU_TILED_MM": "0"}
+ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
+    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu"), {}),
+    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"), {}),
     (
         "superfluid --kernels fast: llama.cpp build, no flash attention, a KV stream per sequence",
         "fast",
         ("-fa", "off"),
+        {},
     ),
-    ("exact build, flash attention, a KV stream per sequence", "exact", ("-fa", "on")),
-    ("superfluid --kernels exact: exact build, no flash attention, a stream per sequence", "exact", ("-fa", "off")),
-)
-# what superfluid runs: its default (fast) and its exact kernels, each against llama.cpp's defaults
-OUR_ENGINES = {"fast": ENGINE_CONFIGS[2][0], "exact": ENGINE_CONFIGS[4][0]}
+    (
+        "superfluid --kernels exact: llama.cpp build, no repacked weights or tiled kernels, no flash attention, "
+        "a KV stream per sequence",
+        "fast",
+        ("-fa", "off", "--no-repack"),
+        TILED_OFF,
+    ),
+    ("the wheel's build (exact without the fast build), no flash attention, a KV stream per sequence", "exact",
+     ("-fa", "off"), TILED_OFF),
+)  # fmt: skip
+# what superfluid runs: its two kernel settings, each against llama.cpp's defaults
+OUR_ENGINES = {"fast": ENGINE_CONFIGS[2][0], "exact": ENGINE_CONFIGS[3][0]}
 HEADLINE_PROMPT = 1500  # the prompt whose prefill the README's summary shows
 
 
@@ -438,12 +450,13 @@ def engine_section(
     prompts = (100, HEADLINE_PROMPT) if quick else (100, HEADLINE_PROMPT, 4000)
     tokens = 64 if quick else 128
     rows: dict[str, list[dict]] = {}
-    for name, build, flags in ENGINE_CONFIGS:
+    for name, build, flags, environment in ENGINE_CONFIGS:
         binary = peers / build / "bin" / "llama-batched-bench"
-        runs = [batched_bench(binary, model, p, tokens, [1], "-t", str(threads), *flags) for p in prompts]
-        runs.append(batched_bench(binary, model, prompts[0], tokens, [8], "-t", str(threads), *flags))
+        args = ("-t", str(threads), *flags)
+        runs = [batched_bench(binary, model, p, tokens, [1], *args, environment=environment) for p in prompts]
+        runs.append(batched_bench(binary, model, prompts[0], tokens, [8], *args, environment=environment))
         if not quick:
-            runs.append(batched_bench(binary, model, prompts[1], tokens, [8], "-t", str(threads), *flags))
+            runs.append(batched_bench(binary, model, prompts[1], tokens, [8], *args, environment=environment))
         rows[name] = [row for run in runs for row in run]
         print(f"engine: {name}", flush=True)
         for row in rows[name]:
@@ -455,7 +468,7 @@ def engine_section(
     fastest = {
         n: max(
             r["speed_tg"]
-            for name, build, _ in ENGINE_CONFIGS
+            for name, build, _, _ in ENGINE_CONFIGS
             if build == "fast"
             for r in rows[name]
             if r["pl"] == n and r["pp"] == 100
@@ -476,7 +489,7 @@ def engine_section(
                     Result(
                         f"engine {what}, prompt {mine['pp']} x{mine['pl']}: --kernels {kernels} / llama.cpp defaults",
                         ours / defaults_rate,
-                        "(the price of exactness)" if kernels == "exact" else "(our settings)",
+                        "(our settings)",
                         True,
                         f"{ours:.1f} vs {defaults_rate:.1f} tok/s",
                         "x",

@@ -11,8 +11,8 @@ helpers below that say which property they need:
 Run the suite with `SUPERFLUID_TEST_LOGIT_SKEW=<n>` to see it hold when the model's words change.
 
 The `reference` comparisons are promises of the exact kernels, so every daemon a test starts
-runs on them (`SUPERFLUID_KERNELS=exact`) unless the test says otherwise; test_kernels.py
-starts daemons on the default, fast, kernels.
+asks for them (`SUPERFLUID_KERNELS=exact`: refused, not fallen back from, where they cannot run)
+unless the test says otherwise; test_kernels.py starts daemons on the default and on fast kernels.
 """
 
 from __future__ import annotations

@@ -152,7 +152,13 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
         if refusal is None:
             if not config.worker_process:
                 return "exact", None
-            log.warning(NO_FAST_BUILD)
+            if library is None:
+                log.warning(NO_FAST_BUILD)
+            else:
+                log.info(
+                    "exact kernels run on llama-cpp-python's library here: the fast build keeps kernels that "
+                    "depend on the batch on this machine (arm64's int8 matrix kernels, or a GPU backend)"
+                )
             return "exact", worker_environment(None, exact=True)
         if config.kernels == "exact":
             raise ModelError(refusal)
@@ -222,7 +228,9 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     else:
         engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
     # a state is computed by one library: the fast build's and the wheel's exact kernels round differently
-    library = (environment or {}).get("LLAMA_CPP_LIB_PATH", "llama-cpp-python")
+    # (the fast build's directory is named after its version, patches and CPU: resolved, it names its contents)
+    loaded = (environment or {}).get("LLAMA_CPP_LIB_PATH")
+    library = str(Path(loaded).resolve()) if loaded else "llama-cpp-python"
     park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, library, shape.flash_attention))
     scheduler = Scheduler(
         engine,
