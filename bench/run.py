@@ -442,29 +442,38 @@ HEADLINE_PROMPT = 1500  # the prompt whose prefill the README's summary shows
 
 
 def engine_section(
-    peers: Path, quick: bool, threads: int, model: Path | None = None
+    peers: Path, quick: bool, threads: int, model: Path | None = None, rounds: int = 1
 ) -> tuple[list[Result], dict[int, float]]:
-    """Prefill and decode of each configuration, on `model` (the embedded one when None); returns the results
-    and the fastest decode per stream count."""
+    """Prefill and decode of each configuration, on `model` (the embedded one when None), the configurations
+    taking turns `rounds` times and each figure the median of its rounds; returns the results and the fastest
+    decode per stream count."""
     model = model or embedded_model().path
     prompts = (100, HEADLINE_PROMPT) if quick else (100, HEADLINE_PROMPT, 4000)
     tokens = 64 if quick else 128
-    rows: dict[str, list[dict]] = {}
-    for name, build, flags, environment in ENGINE_CONFIGS:
-        binary = peers / build / "bin" / "llama-batched-bench"
-        args = ("-t", str(threads), *flags)
-        runs = [batched_bench(binary, model, p, tokens, [1], *args, environment=environment) for p in prompts]
-        runs.append(batched_bench(binary, model, prompts[0], tokens, [8], *args, environment=environment))
-        if not quick:
-            runs.append(batched_bench(binary, model, prompts[1], tokens, [8], *args, environment=environment))
-        rows[name] = [row for run in runs for row in run]
-        print(f"engine: {name}", flush=True)
-        for row in rows[name]:
-            print(
-                f"  prompt {row['pp']:5d} x{row['pl']}: prefill {row['speed_pp']:7.1f} tok/s, "
-                f"decode {row['speed_tg']:6.1f} tok/s",
-                flush=True,
-            )
+    measured: dict[str, list[list[dict]]] = {name: [] for name, *_ in ENGINE_CONFIGS}
+    for turn in range(rounds):
+        for name, build, flags, environment in ENGINE_CONFIGS:
+            binary = peers / build / "bin" / "llama-batched-bench"
+            args = ("-t", str(threads), *flags)
+            runs = [batched_bench(binary, model, p, tokens, [1], *args, environment=environment) for p in prompts]
+            runs.append(batched_bench(binary, model, prompts[0], tokens, [8], *args, environment=environment))
+            if not quick:
+                runs.append(batched_bench(binary, model, prompts[1], tokens, [8], *args, environment=environment))
+            measured[name].append([row for run in runs for row in run])
+            print(f"engine, round {turn + 1} of {rounds}: {name}", flush=True)
+            for row in measured[name][-1]:
+                print(
+                    f"  prompt {row['pp']:5d} x{row['pl']}: prefill {row['speed_pp']:7.1f} tok/s, "
+                    f"decode {row['speed_tg']:6.1f} tok/s",
+                    flush=True,
+                )
+    rows = {
+        name: [
+            {**same[0], **{key: float(np.median([r[key] for r in same])) for key in ("speed_pp", "speed_tg")}}
+            for same in zip(*turns, strict=True)
+        ]
+        for name, turns in measured.items()
+    }
     fastest = {
         n: max(
             r["speed_tg"]
@@ -478,7 +487,7 @@ def engine_section(
     defaults = rows[ENGINE_CONFIGS[0][0]]
     results = []
     for kernels, name in OUR_ENGINES.items():
-        for mine, theirs in zip(rows[name], defaults, strict=True):
+        for index, (mine, theirs) in enumerate(zip(rows[name], defaults, strict=True)):
             for phase in ("pp", "tg"):
                 what = "prefill" if phase == "pp" else "decode"
                 ours, defaults_rate = mine[f"speed_{phase}"], theirs[f"speed_{phase}"]
@@ -491,12 +500,17 @@ def engine_section(
                         ours / defaults_rate,
                         "(our settings)",
                         True,
-                        f"{ours:.1f} vs {defaults_rate:.1f} tok/s",
+                        f"{ours:.1f} vs {defaults_rate:.1f} tok/s (medians of {rounds})",
                         "x",
                         "llama.cpp at its defaults (llama-batched-bench)",
                         "higher",
                         headline,
-                        {f"--kernels {kernels} tok/s": [ours], "llama.cpp defaults tok/s": [defaults_rate]},
+                        {
+                            f"--kernels {kernels} tok/s": [t[index][f"speed_{phase}"] for t in measured[name]],
+                            "llama.cpp defaults tok/s": [
+                                t[index][f"speed_{phase}"] for t in measured[ENGINE_CONFIGS[0][0]]
+                            ],
+                        },
                     )
                 )
     return results, fastest
@@ -934,7 +948,7 @@ def run_engine(run: Run) -> list[Result]:
     if run.peers is None:
         print("engine: no --peers given (make bench builds them); section skipped", flush=True)
         return []
-    results, run.fastest = engine_section(run.peers, run.quick, run.threads)
+    results, run.fastest = engine_section(run.peers, run.quick, run.threads, rounds=run.rounds or 3)
     return results
 
 
@@ -989,7 +1003,7 @@ def run_engine_large(run: Run) -> list[Result]:
     if found is None or run.peers is None:
         return []
     model, size = found
-    return named_for(engine_section(run.peers, run.quick, run.threads, model)[0], size)
+    return named_for(engine_section(run.peers, run.quick, run.threads, model, run.rounds or 3)[0], size)
 
 
 def run_http_large(run: Run) -> list[Result]:
