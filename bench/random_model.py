@@ -59,7 +59,8 @@ class Shape:
 
 # the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
 SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
-WEIGHTS = ("q4_1", "f16")  # numpy quantizes to Q4_1 itself; f16 is for llama-quantize
+# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); f16 is for llama-quantize
+WEIGHTS = ("q4_1", "q4_0", "f16")
 
 
 def gguf_py(peers: Path) -> Any:
@@ -86,7 +87,7 @@ SHAPE_KEYS = (
 
 def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = "q4_1") -> None:
     """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
-    weights drawn at random, quantized to Q4_1 or kept as f16 (`weights`)."""
+    weights drawn at random, quantized to Q4_1 or Q4_0 or kept as f16 (`weights`)."""
     gguf = gguf_py(peers)
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
@@ -107,10 +108,10 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if weights == "q4_1" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{weights.upper()}"))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
-    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    quantized = getattr(gguf.GGMLQuantizationType, weights.upper())
 
     def matrix(name: str, rows: int, columns: int) -> None:
         if weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
@@ -118,7 +119,7 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
             writer.add_tensor(name, drawn.astype(np.float16))
         else:
             drawn = rng.normal(0.0, 0.02, size=(rows, columns)).astype(np.float32)
-            writer.add_tensor(name, gguf.quants.quantize(drawn, q4_1), raw_dtype=q4_1)
+            writer.add_tensor(name, gguf.quants.quantize(drawn, quantized), raw_dtype=quantized)
 
     def norm(name: str) -> None:
         writer.add_tensor(name, np.ones(shape.width, dtype=np.float32))

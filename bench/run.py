@@ -492,7 +492,7 @@ def engine_section(
                 what = "prefill" if phase == "pp" else "decode"
                 ours, defaults_rate = mine[f"speed_{phase}"], theirs[f"speed_{phase}"]
                 headline = ""
-                if (kernels, phase, mine["pl"], mine["pp"]) == ("fast", "pp", 1, HEADLINE_PROMPT):
+                if (kernels, phase, mine["pl"], mine["pp"]) == ("exact", "pp", 1, HEADLINE_PROMPT):
                     headline = f"prefill of a {HEADLINE_PROMPT:,}-token prompt, the engine under superfluid"
                 results.append(
                     Result(

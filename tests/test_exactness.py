@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess, forced, generated_tokens, metric, new_session, say
+from conftest import TEMPLATES, DaemonProcess, forced, generated_tokens, metric, new_session, say
 
 from superfluid.client import SocketClient
 from superfluid.engine.build import exactness_problems, system_info
@@ -46,15 +46,29 @@ def test_the_llama_cpp_library_is_built_for_exactness() -> None:
     )
 
 
-def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
-    # what a worker runs by default: the fast build with exact kernels, probed in a process of its own,
-    # since a process loads one library (bench/exactness.py --library fast --kernels exact)
-    probe = [sys.executable, str(Path(exactness.__file__)), "--tokens", "40"]
+def probe_fast_build(*flags: str) -> None:
+    """bench/exactness.py on the fast build with exact kernels, what a worker runs by default, in a process of
+    its own (a process loads one library): every path must print `same`."""
+    probe = [sys.executable, str(Path(exactness.__file__)), *flags]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=600)
     assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     paths = [line for line in done.stdout.splitlines() if line.split()[-1:] == ["same"]]
     assert len(paths) == len(exactness.PATHS), done.stdout
+
+
+def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
+    probe_fast_build("--tokens", "40")
+
+
+def test_weights_llama_cpp_would_repack_compute_exactly_on_the_fast_build(tmp_path: Path) -> None:
+    # Q4_0 is a type llama.cpp repacks (gemm for groups of four rows, gemv for the rest): exact kernels keep
+    # such weights where they are
+    from random_model import Shape, random_model
+
+    peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
+    model = random_model(peers, Shape(width=256, layers=2, ffn=512, kv_heads=2), tmp_path, weights="q4_0")
+    probe_fast_build("--tokens", "24", "--model", str(model))
 
 
 def test_every_engine_path_computes_bit_identical_logits_on_llama_cpp_pythons_library() -> None:
