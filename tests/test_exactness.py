@@ -61,9 +61,10 @@ def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> 
     probe_fast_build("--tokens", "40")
 
 
-def test_weights_llama_cpp_would_repack_compute_exactly_on_the_fast_build(tmp_path: Path) -> None:
-    # Q4_0 is a type llama.cpp repacks (gemm for groups of four rows, gemv for the rest): exact kernels keep
-    # such weights where they are
+def test_q4_0_weights_compute_exactly_on_the_fast_build(tmp_path: Path) -> None:
+    # llamafile's sgemm multiplies Q4_0 weights from two tokens on and ggml's one-column kernel one token (the
+    # patch leaves quantized types to it), so the two must sum alike; llama.cpp would also repack Q4_0 weights,
+    # which exact kernels leave off
     from random_model import Shape, random_model
 
     peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
