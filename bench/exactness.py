@@ -39,7 +39,7 @@ import llama_cpp as L
 import numpy as np
 
 from superfluid.config import KERNELS
-from superfluid.engine.build import TILED_ENV, fast_library
+from superfluid.engine.build import EXACT_ENV, LIBRARY_ENV, TILED_ENV, fast_library, worker_environment
 from superfluid.engine.interface import ContextShape, StepInterrupted
 from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.llama import LlamaContext, LlamaModel
@@ -273,16 +273,14 @@ def probe_all(
 
 
 def probe_environment(library: str, kernels: str) -> dict[str, str]:
-    """This process's environment, with the library and the tiled kernels' switch a probe asks for."""
-    environment = dict(os.environ)
-    environment.pop("LLAMA_CPP_LIB_PATH", None)
+    """This process's environment, with the library and kernel switches a worker gets for `kernels` on it."""
+    where = None
     if library == "fast":
         where = fast_library()
         if where is None:
             sys.exit("the fast build is not installed: `make` builds it into .venv/llama-fast")
-        environment["LLAMA_CPP_LIB_PATH"] = str(where)
-    environment[TILED_ENV] = "0" if kernels == "exact" else "1"
-    return environment
+    environment = {name: value for name, value in os.environ.items() if name != LIBRARY_ENV}
+    return {**environment, **worker_environment(where, exact=kernels == "exact")}
 
 
 def main() -> int:
@@ -297,11 +295,11 @@ def main() -> int:
     parser.add_argument("--kernels", choices=KERNELS, default="exact", help="as serve's --kernels (default: exact)")
     args = parser.parse_args()
     environment = probe_environment(args.library, args.kernels)
-    if any(os.environ.get(name) != environment.get(name) for name in ("LLAMA_CPP_LIB_PATH", TILED_ENV)):
+    if any(os.environ.get(name) != environment.get(name) for name in (LIBRARY_ENV, TILED_ENV, EXACT_ENV)):
         # the library is loaded when llama_cpp is imported, and the tiled kernels read their switch once
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     print(system_info())
-    model = LlamaModel(args.model or embedded_model().path, exact=args.kernels == "exact")
+    model = LlamaModel(args.model or embedded_model().path)  # exact or not as its environment says
     results = probe_all(model, list(PROMPTS), args.tokens, args.threads, args.flash_attn)
     width = max(len(name) for name in PATHS)
     for name in PATHS:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from fake_engine import VOCAB, FakeEngine, next_of
@@ -157,15 +159,26 @@ def test_an_interactive_job_preempts_background_work_which_then_resumes_exactly(
         scheduler.stop()
 
 
-def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_exactly() -> None:
-    # 2 ms a position: the background job's steps grow to a whole batch of 512 positions, about a second
+LONG_PROMPT = [5 + i % 50 for i in range(1000)]
+
+
+@contextlib.contextmanager
+def in_a_long_batch_step() -> Iterator[tuple[Scheduler, Job, Collect]]:
+    """A scheduler whose background job, LONG_PROMPT for 8 tokens, is a second into its prefill: at 2 ms a
+    position its steps grow to a whole batch of 512 positions, about a second, and it is in its second."""
     engine = FakeEngine(sequences=4, window=1024, position_delay=0.002, interruptible=True)
     scheduler = Scheduler(engine, lanes=2, window=1024)
     scheduler.start()
     try:
-        prompt = [5 + i % 50 for i in range(1000)]
-        _background, bg = started(scheduler, prompt, 8, qos=3)
-        time.sleep(1.0)  # into its second step
+        job, sink = started(scheduler, LONG_PROMPT, 8, qos=3)
+        time.sleep(1.0)
+        yield scheduler, job, sink
+    finally:
+        scheduler.stop()
+
+
+def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_exactly() -> None:
+    with in_a_long_batch_step() as (scheduler, _background, bg):
         sent = time.monotonic()
         _chat, fg = started(scheduler, [9, 9, 9], 4, qos=0)
         while not fg.out:
@@ -174,26 +187,17 @@ def test_an_interactive_arrival_interrupts_a_long_batch_step_which_then_resumes_
         assert scheduler.stats.steps_interrupted == 1
         assert waited < 0.3, f"the chat's first token took {waited:.2f} s: it waited for the long step"
         assert fg.done.wait(10) and bg.done.wait(10)
-        assert bg.out == alone(prompt, 8), "the interrupted step left nothing behind, and ran again"
+        assert bg.out == alone(LONG_PROMPT, 8), "the interrupted step left nothing behind, and ran again"
         assert fg.out == alone([9, 9, 9], 4)
-    finally:
-        scheduler.stop()
 
 
 def test_a_cancel_frees_its_lane_without_waiting_for_the_long_step_in_flight() -> None:
-    engine = FakeEngine(sequences=4, window=1024, position_delay=0.002, interruptible=True)
-    scheduler = Scheduler(engine, lanes=2, window=1024)
-    scheduler.start()
-    try:
-        job, sink = started(scheduler, [5 + i % 50 for i in range(1000)], 8, qos=3)
-        time.sleep(1.0)  # into its second step, of about a second
+    with in_a_long_batch_step() as (scheduler, job, sink):
         cancelled = time.monotonic()
         scheduler.cancel(job)
         assert sink.done.wait(10)
         assert sink.when - cancelled < 0.3, f"the lane was freed {sink.when - cancelled:.2f} s after the cancel"
         assert scheduler.stats.steps_interrupted == 1
-    finally:
-        scheduler.stop()
 
 
 def test_an_interactive_arrival_does_not_interrupt_interactive_work() -> None:

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SamplingDefaults, ServeConfig
-from ..engine.build import amx_compiled, exact_refusal, fast_build_exact, fast_library, worker_environment
+from ..engine.build import (
+    LIBRARY_ENV,
+    amx_compiled,
+    exact_refusal,
+    fast_build_exact,
+    fast_library,
+    worker_environment,
+)
 from ..engine.interface import ContextShape, Engine, EngineError
 from ..engine.interrupt import Interrupt
 from ..engine.llama import LlamaContext, LlamaModel
@@ -145,8 +152,8 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
     llama-cpp-python's own library. Where that library cannot, an explicit `--kernels exact` is refused with
     the reason and the fix (`exact_refusal`), and the default falls back to fast."""
     library = fast_library() if config.worker_process else None
+    refusal = exact_refusal()  # why llama-cpp-python's own library cannot be exact; None where it can
     if config.kernels != "fast":
-        refusal = exact_refusal()
         if library is not None and fast_build_exact():
             return "exact", worker_environment(library, exact=True)
         if refusal is None:
@@ -165,7 +172,7 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
         log.warning("serving --kernels fast: %s", refusal)
     # llama-cpp-python's own library: the exact build `make` compiles, or, after a plain
     # `pip install`, llama.cpp as it builds itself
-    own = "fast" if exact_refusal() else "exact"
+    own = "fast" if refusal else "exact"
     if not config.worker_process:
         log.warning(
             "--no-worker-process runs llama.cpp in the daemon, on llama-cpp-python's library (%s kernels); "
@@ -229,7 +236,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
     # a state is computed by one library: the fast build's and the wheel's exact kernels round differently
     # (the fast build's directory is named after its version, patches and CPU: resolved, it names its contents)
-    loaded = (environment or {}).get("LLAMA_CPP_LIB_PATH")
+    loaded = (environment or {}).get(LIBRARY_ENV)
     library = str(Path(loaded).resolve()) if loaded else "llama-cpp-python"
     park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, library, shape.flash_attention))
     scheduler = Scheduler(

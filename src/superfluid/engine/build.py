@@ -49,11 +49,11 @@ from pathlib import Path
 import llama_cpp as L
 
 FAST_LIBRARY_ENV = "SUPERFLUID_FAST_LIB"  # a directory holding the fast build's libllama.so
+LIBRARY_ENV = "LLAMA_CPP_LIB_PATH"  # where llama-cpp-python loads libllama.so from, when set
 
-# system-info features whose kernels depend on the batch shape
-BATCH_DEPENDENT = ("LLAMAFILE", "REPACK", "AMX_INT8", "MATMUL_INT8", "KLEIDIAI")
-# those llama.cpp runs only on weights in its extra buffer types, which an exact process leaves off
-EXTRA_BUFFER_KERNELS = ("REPACK", "AMX_INT8", "KLEIDIAI")
+# system-info features whose kernels depend on the batch shape and run on any weights (REPACK, AMX_INT8 and
+# KLEIDIAI do too, but only on weights in llama.cpp's extra buffer types, which an exact process leaves off)
+BATCH_DEPENDENT = ("LLAMAFILE", "MATMUL_INT8")
 # named by a library whose llamafile sgemm takes one-token products too (scripts/patches/sgemm-one-column.patch)
 INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
@@ -87,7 +87,9 @@ def features(info: str) -> dict[str, str]:
 
 
 def batch_dependent_kernels(info: str | None = None) -> list[str]:
-    """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape."""
+    """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape and
+    that an exact process would run: not those of the extra buffer types, which it leaves off, nor a
+    patched sgemm."""
     present = features(system_info() if info is None else info)
     compiled = [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
     if present.get(INVARIANT_SGEMM, "0") != "0":
@@ -122,8 +124,7 @@ def tiled_kernels_on() -> bool:
 def exactness_problems(info: str | None = None) -> list[str]:
     """What in the loaded library (or `info`) lets the batch shape change a token's logits in an exact process
     (which leaves the extra buffer types off); empty when nothing does."""
-    compiled = [name for name in batch_dependent_kernels(info) if name not in EXTRA_BUFFER_KERNELS]
-    problems = [f"{name} kernels are compiled in" for name in compiled]
+    problems = [f"{name} kernels are compiled in" for name in batch_dependent_kernels(info)]
     problems += [f"the {name} backend is compiled in" for name in gpu_backends(info)]
     if tiled_kernels_on():
         problems.append(f"tiled K-quant kernels are on ({TILED_ENV} is not 0)")
@@ -152,7 +153,7 @@ def exact_refusal(info: str | None = None) -> str | None:
             "the GPU kernels llama.cpp picks by batch size have not been shown to keep it; serve --kernels fast "
             "here, or --kernels exact on a CPU build (`make serve`; docs/deployment/gpu.md)"
         )
-    compiled = [name for name in batch_dependent_kernels(info) if name not in EXTRA_BUFFER_KERNELS]
+    compiled = batch_dependent_kernels(info)
     if compiled:
         # pip caches the wheel it built by the source's address, not its flags: --no-cache-dir builds anew
         install = (
@@ -187,4 +188,4 @@ def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
     itself): exactly (tiled kernels and extra buffer types off), or with every fast kernel."""
     environment = {TILED_ENV: "0" if exact else "1", EXACT_ENV: "1" if exact else "0"}
-    return environment if library is None else {"LLAMA_CPP_LIB_PATH": str(library), **environment}
+    return environment if library is None else {LIBRARY_ENV: str(library), **environment}

@@ -82,7 +82,7 @@ class LlamaModel:
         # batch, so no extra buffer types (repacked weights), and a library that cannot keep that is refused
         exact = build.exact_wanted() if exact is None else exact
         if exact and not vocab_only and (problems := build.exactness_problems()):
-            library = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own"
+            library = os.environ.get(build.LIBRARY_ENV) or "llama-cpp-python's own"
             raise EngineError(
                 f"the llama.cpp library ({library}) cannot compute a token the same whatever its batch: "
                 f"{'; '.join(problems)}. Serve --kernels fast to run on it"
