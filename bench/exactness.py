@@ -5,6 +5,7 @@
     .venv/bin/python bench/exactness.py --kernels fast    # with repacked weights and tiled kernels
     .venv/bin/python bench/exactness.py --library wheel   # llama-cpp-python's own library
     .venv/bin/python bench/exactness.py --model my.gguf   # another model (its weight types pick kernels)
+    .venv/bin/python bench/exactness.py --context 600     # long prompts: attention's kernels change with length
 
 A greedy run is computed once the way a lone lane computes it (the prompt prefilled in one
 chunk, then one decode step per token), and its logits kept. Then the same tokens are fed
@@ -39,7 +40,7 @@ import llama_cpp as L
 import numpy as np
 
 from superfluid.config import KERNELS
-from superfluid.engine.build import EXACT_ENV, LIBRARY_ENV, TILED_ENV, fast_library, worker_environment
+from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, LIBRARY_ENV, TILED_ENV, fast_library, worker_environment
 from superfluid.engine.interface import ContextShape, StepInterrupted
 from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.llama import LlamaContext, LlamaModel
@@ -52,6 +53,7 @@ PROMPTS = (
     "Describe a day in a busy city market.",
 )
 OTHERS = 7  # lanes sharing the batch in the "batched" path
+NEIGHBOUR_ROOM = 16 * OTHERS  # their prompts' tokens, "Neighbour 3 writes about 21 boats." being about ten each
 DRAFT = 5  # positions a draft check decodes in one step: the last accepted token and a draft of 4 (the default)
 BATCH = 512
 
@@ -72,7 +74,8 @@ class Probe:
     def __init__(self, model: LlamaModel, window: int, threads: int, flash_attention: bool = False) -> None:
         self.model = model
         self.interrupt = Interrupt()
-        shape = ContextShape(window, OTHERS + 3, BATCH, threads, flash_attention)
+        # room for the batched path's first step: a whole prompt and its neighbours' beside it
+        shape = ContextShape(window, OTHERS + 3, max(BATCH, window + NEIGHBOUR_ROOM), threads, flash_attention)
         self.context = LlamaContext(model, shape, self.interrupt)
 
     def clear(self) -> None:
@@ -250,11 +253,26 @@ def system_info() -> str:
     return L.llama_print_system_info().decode()
 
 
+def chat_prompt(model: LlamaModel, text: str, context: int = 0) -> list[int]:
+    """`text` as a user turn, its text said again until the prompt is at least `context` tokens long."""
+    body = text
+    while True:
+        tokens = model.tokenize(f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n", True)
+        if len(tokens) >= context:
+            return tokens
+        body += "\n" + text
+
+
 def probe_all(
-    model: LlamaModel, prompts: list[str], tokens: int, threads: int, flash_attention: bool = False
+    model: LlamaModel,
+    prompts: list[str],
+    tokens: int,
+    threads: int,
+    flash_attention: bool = False,
+    context: int = 0,
 ) -> list[Divergence]:
-    """Run every path on every prompt; one `Divergence` each."""
-    encoded = [model.tokenize(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n", True) for p in prompts]
+    """Run every path on every prompt (each at least `context` tokens long); one `Divergence` each."""
+    encoded = [chat_prompt(model, p, context) for p in prompts]
     window = max(len(p) for p in encoded) + tokens + 64
     probe = Probe(model, window, threads, flash_attention)
     found = []
@@ -287,7 +305,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="greedy tokens per prompt (default: 200)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
-    parser.add_argument("--flash-attn", action="store_true", help="with flash attention (superfluid runs without)")
+    parser.add_argument(
+        "--attention",
+        choices=("flash", "plain"),
+        help="flash or plain attention (default: as a worker runs it, flash on the fast build, else plain)",
+    )
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many prompts (default: {len(PROMPTS)})")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="repeat each prompt to at least this many tokens: attention kernels change with the length (default: 0)",
+    )
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
     parser.add_argument(
         "--library", choices=("fast", "wheel"), default="fast", help="the llama.cpp library (default: fast)"
@@ -295,12 +324,14 @@ def main() -> int:
     parser.add_argument("--kernels", choices=KERNELS, default="exact", help="as serve's --kernels (default: exact)")
     args = parser.parse_args()
     environment = probe_environment(args.library, args.kernels)
-    if any(os.environ.get(name) != environment.get(name) for name in (LIBRARY_ENV, TILED_ENV, EXACT_ENV)):
+    if any(os.environ.get(name) != environment.get(name) for name in (LIBRARY_ENV, TILED_ENV, EXACT_ENV, FA_ORDER_ENV)):
         # the library is loaded when llama_cpp is imported, and the tiled kernels read their switch once
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     print(system_info())
     model = LlamaModel(args.model or embedded_model().path)  # exact or not as its environment says
-    results = probe_all(model, list(PROMPTS), args.tokens, args.threads, args.flash_attn)
+    flash = args.attention == "flash" if args.attention else args.library == "fast"
+    print(f"attention: {'flash' if flash else 'plain'}")
+    results = probe_all(model, list(PROMPTS[: args.prompts]), args.tokens, args.threads, flash, args.context)
     width = max(len(name) for name in PATHS)
     for name in PATHS:
         rows = [r for r in results if r.path == name]

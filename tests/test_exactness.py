@@ -52,6 +52,7 @@ def probe_fast_build(*flags: str) -> None:
     probe = [sys.executable, str(Path(exactness.__file__)), *flags]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=600)
     assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
+    assert "FA_ONE_ORDER = 1" in done.stdout and "attention: flash" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     paths = [line for line in done.stdout.splitlines() if line.split()[-1:] == ["same"]]
     assert len(paths) == len(exactness.PATHS), done.stdout
@@ -59,6 +60,21 @@ def probe_fast_build(*flags: str) -> None:
 
 def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
     probe_fast_build("--tokens", "40")
+
+
+def test_long_prompts_compute_exactly_on_the_fast_builds_flash_attention() -> None:
+    # llama.cpp's flash attention takes a tiled kernel from 64 queries on and splits one query's keys across
+    # threads from 512 keys on; the patched library holds every query to the tiled kernel's order
+    probe_fast_build("--tokens", "12", "--context", "600", "--prompts", "2")
+
+
+def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
+    # what the patch is for, and proof that the probe above can fail: --kernels fast leaves the order to llama.cpp
+    probe = [sys.executable, str(Path(exactness.__file__)), "--kernels", "fast", "--tokens", "4", "--context", "600"]
+    done = subprocess.run([*probe, "--prompts", "1"], capture_output=True, text=True, timeout=600)
+    assert "attention: flash" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "re-prefill" in done.stdout and " #" in done.stdout, done.stdout
 
 
 def test_q4_0_weights_compute_exactly_on_the_fast_build(tmp_path: Path) -> None:

@@ -16,22 +16,23 @@ import llama_cpp
 import pytest
 from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 
-from superfluid.engine.build import EXACT_ENV, TILED_ENV, fast_library
+from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, TILED_ENV, fast_library
 
 pytestmark = pytest.mark.e2e
 
 
 def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
-    """The default model's kernels as /v1/models reports them, the libllama its worker has mapped, and the
-    kernel switches in the worker's environment."""
+    """The default model's kernels and attention as /v1/models reports them ("exact, flash"), the libllama its
+    worker has mapped, and the kernel switches in the worker's environment."""
     entry = next(m for m in httpx.get(f"{daemon.url}/v1/models").json()["data"] if m["default"])
     pid = entry["runtime"]["worker_pid"]
     maps = Path(f"/proc/{pid}/maps").read_text().split("\n")
     paths = {Path(line.split()[-1]) for line in maps if "libllama.so" in line}
     assert len(paths) == 1, paths
     variables = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-    switches = {name: variables.get(name, "") for name in (EXACT_ENV, TILED_ENV)}
-    return entry["runtime"]["kernels"], paths.pop().parent.resolve(), switches
+    switches = {name: variables.get(name, "") for name in (EXACT_ENV, TILED_ENV, FA_ORDER_ENV)}
+    reported = f"{entry['runtime']['kernels']}, {entry['runtime']['attention']}"
+    return reported, paths.pop().parent.resolve(), switches
 
 
 def serves_a_forced_length(daemon: DaemonProcess, tokens: int) -> None:
@@ -52,8 +53,9 @@ def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact", library.resolve())
-        assert switches == {EXACT_ENV: "1", TILED_ENV: "0"}  # no repacked weights, no tiled kernels
+        assert (kernels, loaded) == ("exact, flash", library.resolve())
+        # no repacked weights, no tiled kernels, flash attention in one order
+        assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1"}
         serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
@@ -66,8 +68,8 @@ def test_kernels_fast_runs_the_fast_build_with_every_kernel(tmp_path: Path) -> N
     try:
         assert "on fast kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("fast", library.resolve())
-        assert switches == {EXACT_ENV: "0", TILED_ENV: "1"}
+        assert (kernels, loaded) == ("fast, flash", library.resolve())
+        assert switches == {EXACT_ENV: "0", TILED_ENV: "1", FA_ORDER_ENV: "0"}
         serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
@@ -81,8 +83,8 @@ def test_without_the_fast_build_exact_kernels_run_on_the_library_llama_cpp_pytho
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact", (Path(llama_cpp.__file__).parent / "lib").resolve())
-        assert switches == {EXACT_ENV: "1", TILED_ENV: "0"}
+        assert (kernels, loaded) == ("exact, plain", (Path(llama_cpp.__file__).parent / "lib").resolve())
+        assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1"}
     finally:
         daemon.stop()
 

@@ -57,6 +57,7 @@ def router(daemon: Daemon) -> APIRouter:
                 "id": "llamacpp",
                 "worker_pid": runtime.worker_pid if runtime else None,
                 "kernels": runtime.kernels if runtime else None,
+                "attention": ("flash" if runtime.flash_attention else "plain") if runtime else None,
             },
         }
 

@@ -69,6 +69,7 @@ class Runtime:
     window: int
     fingerprint: int
     kernels: str = "exact"  # the llama.cpp build its engine runs on: "fast" or "exact"
+    flash_attention: bool = False  # whether its attention runs on llama.cpp's flash kernels
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for requests that name none
     max_tokens: int | None = None  # a request's cap when it names none; None fills the window
     pins: PromptPins | None = None  # prefixes that prompt-cache marks keep cached
@@ -220,7 +221,10 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     window = config.max_context or min(trained, 8192)
     if window > trained:
         log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
-    shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads)
+    # flash attention on the fast build, which holds it to one order on exact kernels: it prefills long
+    # prompts faster than plain attention, and decodes as fast (bench/run.py --only engine)
+    on_fast_build = LIBRARY_ENV in (environment or {})
+    shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads, on_fast_build)
     engine: Engine
     if config.worker_process:
         # a worker learns where the weights go from its environment (placement.py)
@@ -266,6 +270,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         window,
         fingerprint(model, template),
         kernels,
+        shape.flash_attention,
         sampling=config.sampling.over(model_sampling(model.metadata)),
         max_tokens=config.max_tokens,
         pins=PromptPins(scheduler, shape.pool_tokens * config.pin_budget_pct // 100),

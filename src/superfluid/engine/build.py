@@ -57,6 +57,10 @@ BATCH_DEPENDENT = ("LLAMAFILE", "MATMUL_INT8")
 # named by a library whose llamafile sgemm takes one-token products too (scripts/patches/sgemm-one-column.patch)
 INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
+# named by a library whose flash attention sums each query in one order, whatever its batch, when
+# FA_ORDER_ENV is 1 (scripts/patches/tiled-attention-one-order.patch)
+FA_ONE_ORDER = "FA_ONE_ORDER"
+FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
 # backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
 GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
@@ -119,6 +123,15 @@ def amx_compiled(info: str | None = None) -> bool:
 def tiled_kernels_on() -> bool:
     """Whether llama.cpp's tiled K-quant kernels would run in this process (see `disable_tiled_kernels`)."""
     return os.environ.get(TILED_ENV, "1") != "0"
+
+
+def flash_attention_problem(info: str | None = None) -> str | None:
+    """Why flash attention would let the batch change a token's logits in this process, or None."""
+    if features(system_info() if info is None else info).get(FA_ONE_ORDER, "0") == "0":
+        return "this llama.cpp's flash attention splits its work by the batch's size (it lacks our patch)"
+    if os.environ.get(FA_ORDER_ENV, "0") == "0":
+        return f"its flash attention is not held to one order ({FA_ORDER_ENV} is not 1)"
+    return None
 
 
 def exactness_problems(info: str | None = None) -> list[str]:
@@ -186,6 +199,7 @@ def fast_build_exact() -> bool:
 
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
-    itself): exactly (tiled kernels and extra buffer types off), or with every fast kernel."""
-    environment = {TILED_ENV: "0" if exact else "1", EXACT_ENV: "1" if exact else "0"}
+    itself): exactly (tiled kernels and extra buffer types off, flash attention in one order), or with every
+    fast kernel."""
+    environment = {TILED_ENV: "0" if exact else "1", EXACT_ENV: "1" if exact else "0", FA_ORDER_ENV: str(int(exact))}
     return environment if library is None else {LIBRARY_ENV: str(library), **environment}

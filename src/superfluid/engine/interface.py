@@ -42,7 +42,8 @@ class ContextShape:
     sequences: int
     batch: int
     threads: int
-    flash_attention: bool = False  # off: bench/exactness.py --flash-attn and the engine bench say why
+    # on with the fast build, whose flash attention can sum each query in one order (engine/build.py)
+    flash_attention: bool = False
 
     @property
     def pool_tokens(self) -> int:

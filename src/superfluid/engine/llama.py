@@ -3,10 +3,11 @@ KV memory is split into slots, one per sequence id (plus, when embeddings are as
 small second context that pools them).
 
 The engine knows token ids, positions and sequence ids, nothing about sessions. Each
-sequence has a KV stream of its own (`kv_unified` off) and attention runs without flash
-attention; with llama.cpp built as `build.py` checks, a sequence's logits then depend only
-on its own tokens: batched, chunked and solo decodes agree bit for bit, and so do a fork,
-an import from host memory and a re-prefill after a restart.
+sequence has a KV stream of its own (`kv_unified` off), and flash attention runs only where
+its kernel sums each query in one order; with llama.cpp built as `build.py` checks, a
+sequence's logits then depend only on its own tokens: batched, chunked and solo decodes
+agree bit for bit, and so do a fork, an import from host memory and a re-prefill after a
+restart.
 A fork copies its source's stream (a memory copy inside llama.cpp, milliseconds)
 instead of recomputing it. Every call into llama.cpp is a ctypes call, which releases
 the GIL while it runs.
@@ -81,6 +82,7 @@ class LlamaModel:
         # exact (by default, unless a fast worker's environment says otherwise): a token's logits ignore its
         # batch, so no extra buffer types (repacked weights), and a library that cannot keep that is refused
         exact = build.exact_wanted() if exact is None else exact
+        self.exact = exact
         if exact and not vocab_only and (problems := build.exactness_problems()):
             library = os.environ.get(build.LIBRARY_ENV) or "llama-cpp-python's own"
             raise EngineError(
@@ -302,10 +304,10 @@ class LlamaContext:
         params.n_seq_max = shape.sequences
         params.n_threads = shape.threads
         params.n_threads_batch = shape.threads
-        # One KV stream per sequence, and plain attention: each sequence's cells sit in
-        # position order in a stream of its own, so its arithmetic never depends on
-        # other sequences (flash attention's CPU kernels change their summation order
-        # with the batch shape, and a shared pool interleaves the cells).
+        # One KV stream per sequence: each sequence's cells sit in position order in a stream
+        # of its own, so its arithmetic never depends on other sequences (a shared pool
+        # interleaves the cells). Flash attention only where the library holds each query to
+        # one order (build.flash_attention_problem): llama.cpp's own changes it with the batch.
         params.kv_unified = False
         params.flash_attn_type = (
             L.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -314,6 +316,8 @@ class LlamaContext:
         refusal = kv_room(model, shape)
         if refusal is not None:
             raise EngineError(refusal)
+        if shape.flash_attention and model.exact and (problem := build.flash_attention_problem()):
+            raise EngineError(f"flash attention would let the batch change a token's logits: {problem}")
         self._ctx = L.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise EngineError(

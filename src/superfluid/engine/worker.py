@@ -120,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, required=True, help="KV slots")
     parser.add_argument("--batch", type=int, required=True, help="tokens per decode")
     parser.add_argument("--threads", type=int, required=True, help="CPU threads")
+    parser.add_argument("--flash-attention", action="store_true", help="attention by llama.cpp's flash kernels")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle; it closes the channel
     channel = socket.socket(fileno=args.fd)
-    shape = ContextShape(args.window, args.sequences, args.batch, args.threads)
+    shape = ContextShape(args.window, args.sequences, args.batch, args.threads, args.flash_attention)
     return serve(channel, wire.SharedRegion(args.shared_fd), Interrupt(args.interrupt_fd), args.model, shape)
 
 

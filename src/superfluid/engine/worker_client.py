@@ -111,6 +111,7 @@ class WorkerEngine:
         command += ["--shared-fd", str(self._shared.fd), "--interrupt-fd", str(self.interrupt.fd)]
         command += ["--window", str(self.shape.window), "--sequences", str(self.shape.sequences)]
         command += ["--batch", str(self.shape.batch), "--threads", str(self.shape.threads)]
+        command += ["--flash-attention"] if self.shape.flash_attention else []
         environment = {**worker_environment(), **self.environment}
         try:
             proc = subprocess.Popen(
