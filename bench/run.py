@@ -454,7 +454,10 @@ def engine_section(
     tokens = 64 if quick else 128
     measured: dict[str, list[list[dict]]] = {name: [] for name, *_ in ENGINE_CONFIGS}
     for turn in range(rounds):
-        for name, build, flags, environment in ENGINE_CONFIGS:
+        # each round starts one configuration later, so that none always runs first or last (this machine's
+        # speed drifts within a round as much as between settings)
+        start = turn % len(ENGINE_CONFIGS)
+        for name, build, flags, environment in ENGINE_CONFIGS[start:] + ENGINE_CONFIGS[:start]:
             binary = peers / build / "bin" / "llama-batched-bench"
             args = ("-t", str(threads), *flags)
             runs = [batched_bench(binary, model, p, tokens, [1], *args, environment=environment) for p in prompts]
