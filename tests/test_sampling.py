@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superfluid.engine.sampling import sample, splitmix64, uniform, weights
+from superfluid.engine.sampling import heaviest, sample, splitmix64, uniform, weights
 from superfluid.protocol.schema import GenParams
 
 
@@ -87,3 +87,15 @@ def test_the_same_seed_and_position_draw_the_same_token() -> None:
     first = [sample(logits, params, p) for p in range(50)]
     assert first == [sample(logits, params, p) for p in range(50)]
     assert len(set(first)) > 1  # the position changes the draw
+
+
+def test_the_heaviest_tokens_of_a_peaked_row_are_those_a_full_sort_finds() -> None:
+    # a model's row: a few likely tokens, a long tail, and ties where the 64th heaviest falls
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, 49152).astype(np.float32)
+    logits[rng.choice(49152, 30, replace=False)] += 14
+    logits[100:110] = np.sort(logits)[-64]
+    w = weights(logits, 0.7)
+    everything = sorted(range(len(w)), key=lambda i: (-w[i], i))
+    for m in (1, 5, 40, 64, 512):
+        assert heaviest(w, m).tolist() == everything[:m]

