@@ -53,7 +53,7 @@ def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact, flash", library.resolve())
+        assert (kernels, loaded) == ("exact, plain", library.resolve())
         # no repacked weights, no tiled kernels, flash attention in one order
         assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1"}
         serves_a_forced_length(daemon, 24)
