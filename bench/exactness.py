@@ -40,7 +40,15 @@ import llama_cpp as L
 import numpy as np
 
 from superfluid.config import KERNELS
-from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, LIBRARY_ENV, TILED_ENV, fast_library, worker_environment
+from superfluid.engine.build import (
+    EXACT_ENV,
+    FA_ORDER_ENV,
+    LIBRARY_ENV,
+    TILED_ENV,
+    fast_library,
+    flash_attention_on,
+    worker_environment,
+)
 from superfluid.engine.interface import ContextShape, StepInterrupted
 from superfluid.engine.interrupt import Interrupt
 from superfluid.engine.llama import LlamaContext, LlamaModel
@@ -308,7 +316,7 @@ def main() -> int:
     parser.add_argument(
         "--attention",
         choices=("flash", "plain"),
-        help="flash or plain attention (default: as a worker runs it, flash on the fast build, else plain)",
+        help="flash or plain attention (default: as a worker runs it, flash on the fast build's fast kernels)",
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many prompts (default: {len(PROMPTS)})")
     parser.add_argument(
@@ -329,7 +337,8 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     print(system_info())
     model = LlamaModel(args.model or embedded_model().path)  # exact or not as its environment says
-    flash = args.attention == "flash" if args.attention else args.library == "fast"
+    library = fast_library() if args.library == "fast" else None
+    flash = args.attention == "flash" if args.attention else flash_attention_on(library, args.kernels == "exact")
     print(f"attention: {'flash' if flash else 'plain'}")
     results = probe_all(model, list(PROMPTS[: args.prompts]), args.tokens, args.threads, flash, args.context)
     width = max(len(name) for name in PATHS)

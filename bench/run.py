@@ -17,8 +17,8 @@ Thirteen sections, one system driven at a time:
   flash attention as llama.cpp chooses, one unified KV), with flash attention on a KV stream
   per sequence, at superfluid's two settings (`--kernels exact`, the default, and `--kernels
   fast`: llama.cpp's build with our patches, flash attention, a KV stream per sequence; exact
-  leaves repacked weights and tiled kernels off and holds flash attention to one order) and on
-  the wheel's build (no flash attention), which exact kernels run on where that build is missing;
+  leaves repacked weights, tiled kernels and flash attention off) and on the wheel's build,
+  which exact kernels run on where that build is missing;
 - http: superfluid (default kernels, and `--kernels fast` for the agents) and llama-server
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
   idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both
@@ -84,7 +84,7 @@ from sustained import sustained_section
 from ui import ui_figures
 
 from superfluid.client import SocketClient
-from superfluid.engine.build import FA_ORDER_ENV, TILED_ENV
+from superfluid.engine.build import TILED_ENV
 from superfluid.engine.interface import ContextShape
 from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.metrics import read_metric
@@ -428,11 +428,11 @@ ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
         {},
     ),
     (
-        "superfluid --kernels exact: llama.cpp build, no repacked weights or tiled kernels, flash attention in one "
-        "order, a KV stream per sequence",
+        "superfluid --kernels exact: llama.cpp build, no repacked weights or tiled kernels, no flash attention, "
+        "a KV stream per sequence",
         "fast",
-        ("-fa", "on", "--no-repack"),
-        {**TILED_OFF, FA_ORDER_ENV: "1"},
+        ("-fa", "off", "--no-repack"),
+        TILED_OFF,
     ),
     ("the wheel's build (exact without the fast build), no flash attention, a KV stream per sequence", "exact",
      ("-fa", "off"), TILED_OFF),

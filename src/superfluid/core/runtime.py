@@ -26,6 +26,7 @@ from ..engine.build import (
     exact_refusal,
     fast_build_exact,
     fast_library,
+    flash_attention_on,
     worker_environment,
 )
 from ..engine.interface import ContextShape, Engine, EngineError
@@ -221,11 +222,9 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     window = config.max_context or min(trained, 8192)
     if window > trained:
         log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
-    # flash attention on the fast build with --kernels fast. Exact kernels keep plain attention for now: the
-    # patched library holds flash attention to one order (bench/exactness.py --context 600), but with it
-    # auto speculation stopped drafting in tests/test_speculation.py, not yet understood
-    on_fast_build = LIBRARY_ENV in (environment or {}) and kernels == "fast"
-    shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads, on_fast_build)
+    loaded = (environment or {}).get(LIBRARY_ENV)
+    flash = flash_attention_on(Path(loaded) if loaded else None, exact=kernels == "exact")
+    shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads, flash)
     engine: Engine
     if config.worker_process:
         # a worker learns where the weights go from its environment (placement.py)
@@ -241,7 +240,6 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
         engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
     # a state is computed by one library: the fast build's and the wheel's exact kernels round differently
     # (the fast build's directory is named after its version, patches and CPU: resolved, it names its contents)
-    loaded = (environment or {}).get(LIBRARY_ENV)
     library = str(Path(loaded).resolve()) if loaded else "llama-cpp-python"
     park = open_park(config, park_fingerprint(model.name, model.size, window, kernels, library, shape.flash_attention))
     scheduler = Scheduler(

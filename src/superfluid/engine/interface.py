@@ -42,8 +42,7 @@ class ContextShape:
     sequences: int
     batch: int
     threads: int
-    # on with the fast build, whose flash attention can sum each query in one order (engine/build.py)
-    flash_attention: bool = False
+    flash_attention: bool = False  # on where build.flash_attention_on says
 
     @property
     def pool_tokens(self) -> int:
