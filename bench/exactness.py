@@ -316,7 +316,7 @@ def main() -> int:
     parser.add_argument(
         "--attention",
         choices=("flash", "plain"),
-        help="flash or plain attention (default: as a worker runs it, flash on the fast build's fast kernels)",
+        help="flash or plain attention (default: as a worker runs it, flash on the fast build, plain on the wheel)",
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many prompts (default: {len(PROMPTS)})")
     parser.add_argument(
@@ -338,7 +338,7 @@ def main() -> int:
     print(system_info())
     model = LlamaModel(args.model or embedded_model().path)  # exact or not as its environment says
     library = fast_library() if args.library == "fast" else None
-    flash = args.attention == "flash" if args.attention else flash_attention_on(library, args.kernels == "exact")
+    flash = args.attention == "flash" if args.attention else flash_attention_on(library)
     print(f"attention: {'flash' if flash else 'plain'}")
     results = probe_all(model, list(PROMPTS[: args.prompts]), args.tokens, args.threads, flash, args.context)
     width = max(len(name) for name in PATHS)

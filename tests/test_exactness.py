@@ -47,10 +47,9 @@ def test_the_llama_cpp_library_is_built_for_exactness() -> None:
 
 
 def probe_fast_build(*flags: str) -> None:
-    """bench/exactness.py on the fast build with exact kernels and flash attention in one order (the patched
-    library's, which a worker takes on once build.flash_attention_on allows it), in a process of its own (a
-    process loads one library): every path must print `same`."""
-    probe = [sys.executable, str(Path(exactness.__file__)), "--attention", "flash", *flags]
+    """bench/exactness.py as an exact worker runs: on the fast build, with flash attention held to one order by
+    the patched library, in a process of its own (a process loads one library): every path must print `same`."""
+    probe = [sys.executable, str(Path(exactness.__file__)), *flags]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=600)
     assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
     assert "FA_ONE_ORDER = 1" in done.stdout and "attention: flash" in done.stdout, done.stdout + done.stderr

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 
 def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
-    """The default model's kernels and attention as /v1/models reports them ("exact, plain"), the libllama its
+    """The default model's kernels and attention as /v1/models reports them ("exact, flash"), the libllama its
     worker has mapped, and the kernel switches in the worker's environment."""
     entry = next(m for m in httpx.get(f"{daemon.url}/v1/models").json()["data"] if m["default"])
     pid = entry["runtime"]["worker_pid"]
@@ -53,8 +53,8 @@ def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact, plain", library.resolve())
-        # no repacked weights, no tiled kernels; plain attention (flash would be held to one order)
+        assert (kernels, loaded) == ("exact, flash", library.resolve())
+        # no repacked weights, no tiled kernels; flash attention held to one order
         assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1"}
         serves_a_forced_length(daemon, 24)
     finally:

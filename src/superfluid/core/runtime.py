@@ -223,7 +223,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     if window > trained:
         log.warning("--max-context %d is beyond the %d tokens %s was trained on", window, trained, model_id)
     loaded = (environment or {}).get(LIBRARY_ENV)
-    flash = flash_attention_on(Path(loaded) if loaded else None, exact=kernels == "exact")
+    flash = flash_attention_on(Path(loaded) if loaded else None)
     shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads, flash)
     engine: Engine
     if config.worker_process:

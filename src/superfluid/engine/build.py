@@ -197,12 +197,11 @@ def fast_build_exact() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and not gpu_backends()
 
 
-def flash_attention_on(library: Path | None, exact: bool) -> bool:
+def flash_attention_on(library: Path | None) -> bool:
     """Whether a worker on `library` (None: the one llama-cpp-python loads by itself) runs flash attention: on
-    the fast build with fast kernels. Exact kernels keep plain attention for now: the patched library holds
-    flash attention to one order (bench/exactness.py --context 600 --attention flash), but with it on, auto
-    speculation stopped drafting in tests/test_speculation.py, which is not yet understood."""
-    return library is not None and not exact
+    the fast build, whose patch holds it to one order on exact kernels (`worker_environment` sets the switch),
+    and not on the wheel, whose flash attention splits its work by the batch."""
+    return library is not None
 
 
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
