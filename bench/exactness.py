@@ -340,6 +340,7 @@ def main() -> int:
     library = fast_library() if args.library == "fast" else None
     flash = args.attention == "flash" if args.attention else flash_attention_on(library)
     print(f"attention: {'flash' if flash else 'plain'}")
+    print(f"repacked weights: {'on' if model.repacking else 'off'}")
     results = probe_all(model, list(PROMPTS[: args.prompts]), args.tokens, args.threads, flash, args.context)
     width = max(len(name) for name in PATHS)
     for name in PATHS:

@@ -46,7 +46,7 @@ def test_the_llama_cpp_library_is_built_for_exactness() -> None:
     )
 
 
-def probe_fast_build(*flags: str) -> None:
+def probe_fast_build(*flags: str) -> str:
     """bench/exactness.py as an exact worker runs: on the fast build, with flash attention held to one order by
     the patched library, in a process of its own (a process loads one library): every path must print `same`."""
     probe = [sys.executable, str(Path(exactness.__file__)), *flags]
@@ -56,6 +56,7 @@ def probe_fast_build(*flags: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     paths = [line for line in done.stdout.splitlines() if line.split()[-1:] == ["same"]]
     assert len(paths) == len(exactness.PATHS), done.stdout
+    return done.stdout
 
 
 def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
@@ -78,14 +79,13 @@ def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
 
 
 def test_q4_0_weights_compute_exactly_on_the_fast_build(tmp_path: Path) -> None:
-    # llamafile's sgemm multiplies Q4_0 weights from two tokens on and ggml's one-column kernel one token (the
-    # patch leaves quantized types to it), so the two must sum alike; llama.cpp would also repack Q4_0 weights,
-    # which exact kernels leave off
+    # exact kernels repack Q4_0 weights on x86 (scripts/patches/repack-exact-types.patch): llama.cpp's gemm takes
+    # the rows of a batch four at a time and its gemv the rest, so the two must sum alike
     from random_model import Shape, random_model
 
     peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
     model = random_model(peers, Shape(width=256, layers=2, ffn=512, kv_heads=2), tmp_path, weights="q4_0")
-    probe_fast_build("--tokens", "24", "--model", str(model))
+    assert "repacked weights: on" in probe_fast_build("--tokens", "24", "--model", str(model))
 
 
 def test_every_engine_path_computes_bit_identical_logits_on_llama_cpp_pythons_library() -> None:

@@ -18,8 +18,12 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   products too on x86, so every token goes through the same kernel; the library then names
   `BATCH_INVARIANT_SGEMM` in its system info. The wheel is compiled without sgemm instead.
 - repacked weights, AMX and arm64's KleidiAI: llama.cpp runs them only on weights it moves to
-  its extra buffer types, which an exact process leaves off (`LlamaModel`). They
-  speed up Q4_0, Q4_K and IQ4_NL weights; Q4_1, Q8_0 and F16 ones never take them.
+  its extra buffer types. They speed up Q4_0, Q4_K and IQ4_NL weights; Q4_1, Q8_0 and F16 ones
+  never take them. On x86 the repacked Q4_0 and IQ4_NL kernels sum each output as the one-token
+  kernel does, the K-quant ones do not: our patch (scripts/patches/repack-exact-types.patch)
+  has the library repack only the former under `GGML_CPU_REPACK_EXACT=1` and name
+  `REPACK_EXACT` in its system info, and an exact process uses the extra buffer types only
+  then, and never with AMX compiled in (`LlamaModel`, `exact_repacking`).
 - the tiled K-quant kernels: off through `GGML_CPU_TILED_MM=0`, which must be in the
   environment before the first decode.
 - arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
@@ -61,6 +65,10 @@ TILED_ENV = "GGML_CPU_TILED_MM"
 # FA_ORDER_ENV is 1 (scripts/patches/tiled-attention-one-order.patch)
 FA_ONE_ORDER = "FA_ONE_ORDER"
 FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
+# named by a library that, when REPACK_EXACT_ENV is 1, repacks only the weight types whose repacked kernels
+# ignore the batch (Q4_0 and IQ4_NL on x86: scripts/patches/repack-exact-types.patch)
+REPACK_EXACT = "REPACK_EXACT"
+REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
 # backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
 GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
@@ -92,8 +100,8 @@ def features(info: str) -> dict[str, str]:
 
 def batch_dependent_kernels(info: str | None = None) -> list[str]:
     """The kernels compiled into the loaded library (or `info`) whose results depend on the batch shape and
-    that an exact process would run: not those of the extra buffer types, which it leaves off, nor a
-    patched sgemm."""
+    that an exact process would run: not those of the extra buffer types, which it leaves off or holds to
+    the exact types (`exact_repacking`), nor a patched sgemm."""
     present = features(system_info() if info is None else info)
     compiled = [name for name in BATCH_DEPENDENT if present.get(name, "0") != "0"]
     if present.get(INVARIANT_SGEMM, "0") != "0":
@@ -120,6 +128,15 @@ def amx_compiled(info: str | None = None) -> bool:
     return features(system_info() if info is None else info).get("AMX_INT8", "0") != "0"
 
 
+def exact_repacking(info: str | None = None) -> bool:
+    """Whether an exact process may put weights in llama.cpp's extra buffer types: where the loaded library (or
+    `info`) repacks only the types whose kernels ignore the batch, that switch is on, and no AMX is compiled
+    in (its buffer type would take the other types)."""
+    if amx_compiled(info) or features(system_info() if info is None else info).get(REPACK_EXACT, "0") == "0":
+        return False
+    return os.environ.get(REPACK_EXACT_ENV, "0") == "1"
+
+
 def tiled_kernels_on() -> bool:
     """Whether llama.cpp's tiled K-quant kernels would run in this process (see `disable_tiled_kernels`)."""
     return os.environ.get(TILED_ENV, "1") != "0"
@@ -136,7 +153,7 @@ def flash_attention_problem(info: str | None = None) -> str | None:
 
 def exactness_problems(info: str | None = None) -> list[str]:
     """What in the loaded library (or `info`) lets the batch shape change a token's logits in an exact process
-    (which leaves the extra buffer types off); empty when nothing does."""
+    (whose extra buffer types hold only exact types, if any); empty when nothing does."""
     problems = [f"{name} kernels are compiled in" for name in batch_dependent_kernels(info)]
     problems += [f"the {name} backend is compiled in" for name in gpu_backends(info)]
     if tiled_kernels_on():
@@ -206,7 +223,13 @@ def flash_attention_on(library: Path | None) -> bool:
 
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
-    itself): exactly (tiled kernels and extra buffer types off, flash attention in one order), or with every
-    fast kernel."""
-    environment = {TILED_ENV: "0" if exact else "1", EXACT_ENV: "1" if exact else "0", FA_ORDER_ENV: str(int(exact))}
+    itself): exactly (tiled kernels off, weights repacked only where their kernels ignore the batch, flash
+    attention in one order), or with every fast kernel."""
+    switch = str(int(exact))
+    environment = {
+        TILED_ENV: str(int(not exact)),
+        EXACT_ENV: switch,
+        FA_ORDER_ENV: switch,
+        REPACK_EXACT_ENV: switch,
+    }
     return environment if library is None else {LIBRARY_ENV: str(library), **environment}

@@ -80,7 +80,8 @@ class LlamaModel:
         _backend_init()
         self.path = path
         # exact (by default, unless a fast worker's environment says otherwise): a token's logits ignore its
-        # batch, so no extra buffer types (repacked weights), and a library that cannot keep that is refused
+        # batch, so extra buffer types only for the weights whose repacked kernels ignore it too, and a library
+        # that cannot keep that is refused
         exact = build.exact_wanted() if exact is None else exact
         self.exact = exact
         if exact and not vocab_only and (problems := build.exactness_problems()):
@@ -91,7 +92,9 @@ class LlamaModel:
             )
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
-        params.use_extra_bufts = not exact and not build.amx_compiled()  # never AMX: see amx_compiled
+        # repacked weights where they ignore the batch (build.exact_repacking), never AMX (build.amx_compiled)
+        params.use_extra_bufts = build.exact_repacking() if exact else not build.amx_compiled()
+        self.repacking = bool(params.use_extra_bufts)  # whether llama.cpp may repack its weights
         self.gpu_layers = 0  # the n_gpu_layers it loaded with (-1: every layer)
         self.gpus: list[Device] = []  # the GPUs its layers are on
         params.n_gpu_layers = 0
