@@ -375,7 +375,7 @@ class LlamaContext:
         if status == 2:  # llama.cpp took the batch's positions back out of the KV
             raise StepInterrupted("the step was interrupted")
         if status != 0:
-            said = f" ({'; '.join(list(_errors)[-2:])})" if _errors else ""  # its reason, where it logged one
+            said = f" ({'; '.join(list(_errors)[-3:])})" if _errors else ""  # its reason, where it logged one
             raise EngineError(f"llama_decode failed with status {status}{said}")
         rows = int(np.count_nonzero(want))
         if rows == 0:
