@@ -84,7 +84,7 @@ from sustained import sustained_section
 from ui import ui_figures
 
 from superfluid.client import SocketClient
-from superfluid.engine.build import FA_ORDER_ENV, TILED_ENV
+from superfluid.engine.build import TILED_ENV, worker_environment
 from superfluid.engine.interface import ContextShape
 from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.metrics import read_metric
@@ -428,11 +428,11 @@ ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
         {},
     ),
     (
-        "superfluid --kernels exact: llama.cpp build, no repacked weights or tiled kernels, flash attention in "
-        "one order, a KV stream per sequence",
+        "superfluid --kernels exact: llama.cpp build, only Q4_0 and IQ4_NL weights repacked, no tiled kernels, "
+        "flash attention in one order, a KV stream per sequence",
         "fast",
-        ("-fa", "on", "--no-repack"),
-        {**TILED_OFF, FA_ORDER_ENV: "1"},
+        ("-fa", "on"),
+        worker_environment(None, exact=True),  # the switches an exact worker runs with
     ),
     ("the wheel's build (exact without the fast build), no flash attention, a KV stream per sequence", "exact",
      ("-fa", "off"), TILED_OFF),

@@ -132,7 +132,8 @@ def exact_repacking(info: str | None = None) -> bool:
     """Whether an exact process may put weights in llama.cpp's extra buffer types: where the loaded library (or
     `info`) repacks only the types whose kernels ignore the batch, that switch is on, and no AMX is compiled
     in (its buffer type would take the other types)."""
-    if amx_compiled(info) or features(system_info() if info is None else info).get(REPACK_EXACT, "0") == "0":
+    info = system_info() if info is None else info
+    if amx_compiled(info) or features(info).get(REPACK_EXACT, "0") == "0":
         return False
     return os.environ.get(REPACK_EXACT_ENV, "0") == "1"
 
