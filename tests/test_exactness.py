@@ -128,6 +128,41 @@ def test_a_short_copy_moves_through_the_state_at_once_and_equals_a_stream_copy()
     assert np.array_equal(last(1), last(2)), "the state copy and the stream copy decode to different logits"
 
 
+def test_a_batch_aborted_in_its_second_micro_batch_leaves_nothing_of_itself_in_the_kv() -> None:
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    from superfluid.engine.interface import ContextShape, StepInterrupted
+    from superfluid.engine.llama import LlamaContext, LlamaModel
+    from superfluid.model.resolve import embedded_model
+
+    context = LlamaContext(LlamaModel(embedded_model().path), ContextShape(512, 2, 512, 2))
+    # sequence 0 brings 8 tokens, sequence 1 brings 4: llama.cpp decodes 4 of each, then sequence 0's last 4
+    tokens = np.asarray([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int32)
+    positions = np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], dtype=np.int32)
+    seqs = np.asarray([0] * 8 + [1] * 4, dtype=np.int32)
+    want = np.asarray([0] * 7 + [1] + [0] * 3 + [1], dtype=np.int8)
+    asked = [0]
+    abort_at = [0]  # 0: never
+
+    def count(_data: ctypes.c_void_p) -> bool:  # llama.cpp asks after every operation
+        asked[0] += 1
+        return bool(abort_at[0]) and asked[0] >= abort_at[0]
+
+    callback = llama_cpp.ggml_abort_callback(count)
+    llama_cpp.llama_set_abort_callback(context._ctx, callback, None)
+    whole = context.decode(tokens, positions, seqs, want).copy()
+    llama_cpp.llama_memory_clear(context._mem, True)
+    abort_at[0], asked[0] = asked[0] * 3 // 4, 0  # within the second micro-batch
+    with pytest.raises(StepInterrupted):
+        context.decode(tokens, positions, seqs, want)
+    assert (context.length(0), context.length(1)) == (0, 0), "the first micro-batch's positions stayed in the KV"
+    abort_at[0] = 0
+    assert np.array_equal(context.decode(tokens, positions, seqs, want), whole), "the batch ran again differs"
+
+
 def _same(got: list[int], expected: list[int], what: str) -> None:
     if got != expected:
         at = next(

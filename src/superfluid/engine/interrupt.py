@@ -1,8 +1,9 @@
 """A flag that stops the step in flight: an interactive arrival need not wait for a long batch prefill.
 
 llama.cpp asks a context's abort callback after every operation of a graph; when it answers
-true, `llama_decode` returns 2 and takes the ubatch's positions back out of the KV, so the
-step has left nothing behind and can run again. The scheduler prefills batch work in long
+true, `llama_decode` returns 2 and `LlamaContext.decode` takes the batch's positions back out
+of the KV (llama.cpp removes only the micro-batch it stopped in), so the step has left
+nothing behind and can run again. The scheduler prefills batch work in long
 steps (larger chunks prefill faster on larger models) and sets the flag when interactive
 work arrives.
 

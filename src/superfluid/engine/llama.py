@@ -370,9 +370,11 @@ class LlamaContext:
         status = L.llama_decode(self._ctx, self._batch)
         if status in (0, 1, 2):  # the decode ran its pending copies before it looked for room
             self._copying.clear()
-        if status == 1:
+        if status == 1:  # refused before any of it was placed in the KV
             raise KVFull("no room in the KV pool for this batch")
-        if status == 2:  # llama.cpp took the batch's positions back out of the KV
+        if status != 0:
+            self._forget(n)
+        if status == 2:
             raise StepInterrupted("the step was interrupted")
         if status != 0:
             said = f" ({'; '.join(list(_errors)[-3:])})" if _errors else ""  # its reason, where it logged one
@@ -385,6 +387,17 @@ class LlamaContext:
         if self.skew is not None:
             logits += self.skew
         return logits
+
+    def _forget(self, n: int) -> None:
+        """Take a failed batch of `n` tokens back out of the KV.
+
+        llama.cpp splits a batch into micro-batches (one per run of consecutive sequence ids with
+        as many tokens each) and, when one fails or is aborted, removes only that one's positions:
+        those before it stay stored. Each sequence is cut back to where the batch started it.
+        """
+        seqs, positions = self._seq[:n], self._pos[:n]
+        for seq in np.unique(seqs):
+            self.truncate(int(seq), int(positions[seqs == seq].min()))
 
     def copy(self, source: int, target: int, length: int) -> None:
         """Make `target` hold `source`'s positions [0, length).
