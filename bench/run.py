@@ -17,8 +17,8 @@ Thirteen sections, one system driven at a time:
   flash attention as llama.cpp chooses, one unified KV), with flash attention on a KV stream
   per sequence, at superfluid's two settings (`--kernels exact`, the default, and `--kernels
   fast`: llama.cpp's build with our patches, flash attention, a KV stream per sequence; exact
-  leaves repacked weights, tiled kernels and flash attention off) and on the wheel's build,
-  which exact kernels run on where that build is missing;
+  holds flash attention to one order and repacks only the weights whose kernels ignore the
+  batch) and on the wheel's build, which exact kernels run on where that build is missing;
 - http: superfluid (default kernels, and `--kernels fast` for the agents) and llama-server
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
   idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both

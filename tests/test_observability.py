@@ -194,6 +194,22 @@ def test_a_client_that_hangs_up_has_a_cancelled_line(traced: HttpDaemon) -> None
 
 
 @pytest.mark.e2e
+def test_a_reply_cut_at_a_stop_string_has_a_stop_line_and_span(traced: HttpDaemon, receiver: OtlpReceiver) -> None:
+    body = chat_body(f"{MARKER}, in a few words.", 24, False)
+    whole = httpx.post(f"{traced.url}{CHAT}", json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    stop = whole[len(whole) // 2 :][:4]  # the same request gives the same text: this cuts the second reply
+    assert stop.strip(), f"a reply of forced length has text to cut: {whole!r}"
+    header, trace_id, _ = traceparent()
+    reply = httpx.post(
+        f"{traced.url}{CHAT}", json=body | {"stop": [stop]}, headers={"traceparent": header}, timeout=60
+    ).json()["choices"][0]
+    assert reply["finish_reason"] == "stop" and len(reply["message"]["content"]) < len(whole)
+    assert line_of(traced, trace_id=trace_id)["finish"] == "stop", "the generation the API cancelled stopped"
+    (decode,) = [span for span in phases(receiver, trace_id) if span.name == "decode"]
+    assert decode.attributes["superfluid.finish"] == "stop"
+
+
+@pytest.mark.e2e
 def test_a_socket_generation_has_its_line_and_trace(traced: HttpDaemon, receiver: OtlpReceiver) -> None:
     with traced.client() as client:
         session = new_session(client)

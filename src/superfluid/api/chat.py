@@ -36,6 +36,7 @@ from ..protocol.schema import (
     Request,
 )
 from ..scheduler.prompt_pins import DEFAULT_TTL_MS
+from ..telemetry import access_log
 from .logprobs import LogprobText, TokenLogprob
 
 B = EventBody
@@ -266,6 +267,8 @@ class ChatRun:
                     if text or rows:
                         yield Piece("text", text, logprobs=rows)
                     if hit is not None:
+                        if (record := access_log.current()) is not None:
+                            record.stop_string = True
                         generation.cancel()
                 elif isinstance(outcome, Committed) and isinstance(outcome.event.body, B.ToolParseFailure):
                     # a call that does not read as one reaches the client as the text the model wrote

@@ -28,7 +28,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.schema import FINISH_NAMES, QOS_NAMES
+from ..protocol.schema import FINISH_NAMES, FINISH_STOP, QOS_NAMES
 from ..scheduler.job import JobTimes
 
 if TYPE_CHECKING:  # the SDK and starlette load only with tracing on and with the HTTP listeners
@@ -83,10 +83,19 @@ class AccessRecord:
         self.forwarded_to: str | None = None
         self.disconnected = False  # the client went away before the whole answer was sent
         self.served: list[Served] = []
+        self.stop_string = False  # the API cut a reply at a stop string, and cancelled what it generated past it
         self.trace: RequestTrace | None = None
         self.quiet = route in QUIET_PATHS
         self._waiting = 1  # the request itself, and each attached generation until it concludes
         self._lock = threading.Lock()
+
+    def finish(self, served: Served) -> str | None:
+        """How a generation ended, as the client was told: a reply cut at a stop string stopped, whether the run
+        ended by the cancel that followed the cut or before it."""
+        finish = served.run.finish
+        if finish is None:
+            return None
+        return FINISH_NAMES[FINISH_STOP if self.stop_string else finish]
 
     def attach(self, run: GenerationRun, model: str) -> None:
         """Follow a generation this request starts (before it is submitted: its job's times are stamped)."""
@@ -158,7 +167,7 @@ class AccessRecord:
                 "queued_ms": _ms(times.admitted - times.submitted) if times.admitted else None,
                 "ttft_ms": _ms(times.first_token - self.started) if times.first_token else None,
                 "decode_tok_s": decode_rate(job.generated, times),
-                "finish": FINISH_NAMES.get(run.finish) if run.finish is not None else None,
+                "finish": self.finish(first),
             }
             if len(self.served) > 1:
                 fields["generations"] = len(self.served)

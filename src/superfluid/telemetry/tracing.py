@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .. import __version__
 from ..metrics import Metrics
-from ..protocol.schema import FINISH_NAMES, QOS_NAMES
+from ..protocol.schema import QOS_NAMES
 from .access_log import AccessRecord, Hop, Served, decode_rate
 from .otlp import ExportOutcomes, OtlpSettings
 
@@ -163,7 +163,7 @@ class RequestTrace:
         """Make the children from the record's generations, then end the root span when the request ended."""
         inside = set_span_in_context(self.span)
         for index, served in enumerate(record.served):
-            self._generation(inside, record.started if index == 0 else 0, served)
+            self._generation(inside, record.started if index == 0 else 0, served, record.finish(served))
         span = self.span
         if record.transport == "http":
             span.update_name(f"{record.method} {record.route}")
@@ -177,8 +177,8 @@ class RequestTrace:
                 span.set_attribute(f"superfluid.{name}", value)
         span.end(record.ended)
 
-    def _generation(self, inside: Context, arrived: int, served: Served) -> None:
-        """The spans of one generation; `arrived` (0: none) starts its admission span."""
+    def _generation(self, inside: Context, arrived: int, served: Served, finish: str | None) -> None:
+        """The spans of one generation, which ended with `finish`; `arrived` (0: none) starts its admission span."""
         job, times = served.run.job, served.run.job.times
         if times is None or not times.submitted:
             return
@@ -203,7 +203,7 @@ class RequestTrace:
                 "superfluid.completion_tokens": job.generated,
                 "superfluid.spec.proposed": job.spec_proposed,
                 "superfluid.spec.accepted": job.spec_accepted,
-                "superfluid.finish": FINISH_NAMES.get(served.run.finish or 0, ""),
+                "superfluid.finish": finish or "",
             }
             rate = decode_rate(job.generated, times)
             if rate is not None:
