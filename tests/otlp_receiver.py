@@ -100,10 +100,12 @@ class OtlpReceiver(Received):
 
     def __init__(self) -> None:
         super().__init__()
+        self.headers: list[dict[str, str]] = []  # each POST's, names in lower case
         received = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
+                received.headers.append({name.lower(): value for name, value in self.headers.items()})
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)

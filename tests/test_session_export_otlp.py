@@ -206,7 +206,9 @@ def test_spans_go_to_a_collector(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20t0k,x-tenant=acme")
     export(daemon, session, "--endpoint", collector.endpoint)
+    assert {"authorization": "Bearer t0k", "x-tenant": "acme"}.items() <= collector.headers[-1].items()
     sent = Received()
     sent.add_traces(from_json_line(exported.read_text()))
     assert capsys.readouterr().out == f"sent {len(sent.spans)} spans to {collector.endpoint}/v1/traces\n"

@@ -332,7 +332,8 @@ def _client_commands(commands: Any) -> None:
         "--endpoint",
         default=None,
         metavar="URL",
-        help="send the spans to the OTLP/HTTP collector at URL (POST URL/v1/traces); needs --format otlp-jsonl",
+        help="send the spans to the OTLP/HTTP collector at URL (POST URL/v1/traces), with the headers"
+        " OTEL_EXPORTER_OTLP_HEADERS names; needs --format otlp-jsonl",
     )
     export.add_argument("--include-content", action="store_true", help="keep texts, spans and arguments")
 

@@ -16,6 +16,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -383,14 +384,27 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
 
+HEADERS_ENV = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")  # the first set one counts
+
+
+def collector_headers() -> dict[str, str]:
+    """The headers the standard variables ask every export to carry (`key=value,...`, values URL-encoded), as
+    the SDK's exporters read them for the daemon: a collector that wants a key gets it from both."""
+    from opentelemetry.util.re import parse_env_headers  # the API package the SDK's exporters parse with
+
+    text = next((os.environ[name] for name in HEADERS_ENV if os.environ.get(name)), "")
+    return dict(parse_env_headers(text, liberal=True))
+
+
 def send(request: ExportTraceServiceRequest, endpoint: str, timeout: float = 10.0) -> str:
-    """POST the export as protobuf to the collector at `endpoint` (OTLP/HTTP); returns the URL it went to."""
+    """POST the export as protobuf to the collector at `endpoint` (OTLP/HTTP), with `collector_headers`;
+    returns the URL it went to."""
     url = traces_url(endpoint)
     try:
         reply = httpx.post(
             url,
             content=request.SerializeToString(),
-            headers={"content-type": "application/x-protobuf"},
+            headers=collector_headers() | {"content-type": "application/x-protobuf"},
             timeout=timeout,
         )
     except httpx.HTTPError as e:
