@@ -26,7 +26,8 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF 
 
 # GPU builds (docs/deployment/gpu.md): `GPU=cuda` compiles llama.cpp for NVIDIA GPUs of the
 # architectures CUDA_ARCHS names (`native`: those present; or a list such as 90 or 80;90), `GPU=metal`
-# for Apple's, and `GPU=auto` picks CUDA where nvcc is found, else the CPU build. Both of llama.cpp's
+# for Apple's, and `GPU=auto` picks CUDA where nvcc is found and has a GPU to build for (one that
+# nvidia-smi lists, or the architectures CUDA_ARCHS names), else the CPU build. Both of llama.cpp's
 # builds get the backend: the wheel (the daemon's, and `--kernels exact`, which a GPU build refuses)
 # and the fast one the workers load, so a worker's layers go to the GPU whichever it runs. Their flags
 # name the wheel's cache and the peers' directory, so a GPU build never replaces the CPU one. Without
@@ -34,7 +35,8 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF 
 GPU ?=
 CUDA_ARCHS ?= native
 ifeq ($(GPU),auto)
-GPU_BUILD := $(if $(shell command -v nvcc 2>/dev/null),cuda,)
+CUDA_TARGETS := $(if $(filter native,$(CUDA_ARCHS)),$(shell nvidia-smi -L 2>/dev/null | head -1),$(CUDA_ARCHS))
+GPU_BUILD := $(if $(and $(shell command -v nvcc 2>/dev/null),$(CUDA_TARGETS)),cuda,)
 else
 GPU_BUILD := $(GPU)
 endif

@@ -146,11 +146,17 @@ def test_a_cuda_build_compiles_both_libraries_for_the_architectures_asked() -> N
     assert b'CMAKE_ARGS="-DGGML_NATIVE=ON' in recipe.stdout and b"-DGGML_CUDA=ON" in recipe.stdout
 
 
-def test_auto_picks_cuda_where_nvcc_is_found(tmp_path: Path) -> None:
-    nvcc = tmp_path / "nvcc"
-    nvcc.write_text("#!/bin/sh\n")
-    nvcc.chmod(0o755)
-    assert "-DGGML_CUDA=ON" in make_vars("GPU=auto", path=f"{tmp_path}:/usr/bin:/bin")[0]
+def test_auto_picks_cuda_where_nvcc_is_found_with_a_gpu_to_build_for(tmp_path: Path) -> None:
+    def tool(name: str, says: str) -> None:
+        (tmp_path / name).write_text(f"#!/bin/sh\necho '{says}'\n")
+        (tmp_path / name).chmod(0o755)
+
+    tool("nvcc", "")
+    with_nvcc = f"{tmp_path}:/usr/bin:/bin"
+    assert make_vars("GPU=auto", path=with_nvcc) == make_vars(), "nvcc and no GPU: the CPU build"
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES='90'" in make_vars("GPU=auto", "CUDA_ARCHS=90", path=with_nvcc)[0]
+    tool("nvidia-smi", "GPU 0: NVIDIA H100 (UUID: GPU-0)")
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES='native'" in make_vars("GPU=auto", path=with_nvcc)[0]
     assert make_vars("GPU=auto", path="/usr/bin:/bin") == make_vars()  # no nvcc: the CPU build
     assert "-DGGML_METAL=ON" in make_vars("GPU=metal")[0]
 
