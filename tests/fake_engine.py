@@ -47,6 +47,7 @@ class FakeLlama:
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay, self.position_delay = delay, position_delay
         self.batches: list[set[int]] = []  # the slots of each decode
+        self.orders: list[list[int]] = []  # the slot of each token of each decode, in the batch's order
         self.truncate_delay = 0.0
         self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
 
@@ -58,6 +59,7 @@ class FakeLlama:
         self.copying.clear()
         self._compute(self.delay + self.position_delay * len(tokens))
         self.batches.append({int(s) for s in seqs})
+        self.orders.append([int(s) for s in seqs])
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
             held = self.slots[int(seq)]

@@ -366,6 +366,33 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
         scheduler.stop()
 
 
+def test_prompt_chunks_lead_a_batch_and_decoding_lanes_follow_in_slot_order() -> None:
+    # llama.cpp splits a batch into micro-batches of consecutive slots: a chunk behind lanes decoding on the slots
+    # before its own shared one with them and prefilled at 0.6 of its speed alone (scheduler._plan)
+    context = FakeEngine(sequences=4, delay=0.001, batch=64, window=4096)
+    scheduler = Scheduler(context, lanes=4, window=4096)
+    scheduler.start()
+    try:
+        lanes = sorted((decoding(scheduler, [5, 6, q], qos=0) for q in range(4)), key=lambda lane: lane[1])
+        scheduler.cancel(lanes[-1][0])  # the last slot frees, and the prompt's lane takes it
+        while len(scheduler.lanes) > 3:
+            time.sleep(0.001)
+        since = len(context.llama.orders)
+        _long, long_out = started(scheduler, list(range(100, 1300)), 2, qos=0)
+        assert long_out.done.wait(30)
+        mixed = [order for order in context.llama.orders[since:] if len(order) > len(set(order)) > 1]
+        assert len(mixed) >= 8, "the prompt prefilled beside the decoding lanes"
+        assert all(max(order) == lanes[-1][1] for order in mixed), "the prompt's slot is after the decoding lanes'"
+        for order in mixed:
+            chunk = [seq for seq in order if order.count(seq) > 1]
+            singles = order[len(chunk) :]
+            assert order[: len(chunk)] == chunk and singles == sorted(singles), order
+        for job, _ in lanes[:-1]:
+            scheduler.cancel(job)
+    finally:
+        scheduler.stop()
+
+
 def test_a_cache_warm_up_does_not_slow_decoding_agents() -> None:
     context = FakeEngine(sequences=4, delay=0.001, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=2, window=4096)
