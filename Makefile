@@ -82,7 +82,7 @@ endif
 
 .PHONY: serve test unit typecheck bench peers system-packages agents clean
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
+$(STAMP): pyproject.toml clients/python/pyproject.toml Makefile $(wildcard scripts/patches/*.patch)
 	$(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed*  # one build's stamp at a time: the wheel installed below replaces the other's
 	$(BIN)/pip install --quiet --upgrade pip

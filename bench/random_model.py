@@ -59,8 +59,13 @@ class Shape:
 
 # the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
 SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
-# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); f16 is for llama-quantize
-WEIGHTS = ("q4_1", "q4_0", "f16")
+# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); Q4_K blocks (Q4_K_M's main type,
+# repacked too) are drawn as bytes, since gguf-py cannot quantize to it; f16 is for llama-quantize
+WEIGHTS = ("q4_1", "q4_0", "q4_k", "f16")
+# weights per Q4_K block, and its bytes: d and dmin (f16), 12 bytes of 6-bit scales and mins, 128 of quants
+Q4_K_BLOCK = (256, 144)
+# d and dmin for drawn Q4_K blocks: with scales, mins and quants uniform, weights of mean about 0 and spread about 0.02
+Q4_K_D, Q4_K_DMIN = 8e-5, 6e-4
 
 
 def gguf_py(peers: Path) -> Any:
@@ -87,7 +92,7 @@ SHAPE_KEYS = (
 
 def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = "q4_1") -> None:
     """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
-    weights drawn at random, quantized to Q4_1 or Q4_0 or kept as f16 (`weights`)."""
+    weights drawn at random, quantized to Q4_1 or Q4_0, drawn as Q4_K blocks, or kept as f16 (`weights`)."""
     gguf = gguf_py(peers)
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
@@ -108,13 +113,16 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{weights.upper()}"))
+    file_type = "MOSTLY_Q4_K_S" if weights == "q4_k" else f"MOSTLY_{weights.upper()}"  # every matrix Q4_K
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
     quantized = getattr(gguf.GGMLQuantizationType, weights.upper())
 
     def matrix(name: str, rows: int, columns: int) -> None:
-        if weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
+        if weights == "q4_k":
+            writer.add_tensor(name, q4_k_blocks(rng, rows, columns), raw_dtype=quantized)
+        elif weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
             drawn = rng.standard_normal(size=(rows, columns), dtype=np.float32) * np.float32(0.02)
             writer.add_tensor(name, drawn.astype(np.float16))
         else:
@@ -143,6 +151,17 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.write_tensors_to_file()
     writer.close()
     target.with_suffix(".partial").rename(target)  # a file of this name is whole
+
+
+def q4_k_blocks(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray:
+    """Q4_K blocks of random quants, scales and mins, as the bytes of `rows` rows of `columns` weights."""
+    per_block, size = Q4_K_BLOCK
+    if columns % per_block:
+        raise SystemExit(f"Q4_K rows hold whole blocks of {per_block} weights, not {columns}")
+    blocks = rng.integers(0, 256, size=(rows, columns // per_block, size), dtype=np.uint8)
+    scales = np.array([Q4_K_D, Q4_K_DMIN], dtype=np.float16).view(np.uint8)
+    blocks[:, :, : scales.size] = scales
+    return blocks.reshape(rows, -1)
 
 
 def random_model(peers: Path, shape: Shape = Shape(), cache: Path = CACHE, weights: str = "q4_1") -> Path:

@@ -428,7 +428,7 @@ ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
         {},
     ),
     (
-        "superfluid --kernels exact: llama.cpp build, only Q4_0 and IQ4_NL weights repacked, no tiled kernels, "
+        "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, no tiled kernels, "
         "flash attention in one order, a KV stream per sequence",
         "fast",
         ("-fa", "on"),

@@ -20,17 +20,19 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
 - repacked weights, AMX and arm64's KleidiAI: llama.cpp runs them only on weights it moves to
   its extra buffer types. They speed up Q4_0, Q4_K and IQ4_NL weights; Q4_1, Q8_0 and F16 ones
   never take them. On x86 the repacked Q4_0 and IQ4_NL kernels sum each output as the one-token
-  kernel does, the K-quant ones do not: our patch (scripts/patches/repack-exact-types.patch)
-  has the library repack only the former under `GGML_CPU_REPACK_EXACT=1` and name
+  kernel does, and so do the Q4_K ones with scripts/patches/repack-q4_K-one-order.patch; the
+  other K-quant ones do not. Our patch (scripts/patches/repack-exact-types.patch) has the
+  library repack only those three types under `GGML_CPU_REPACK_EXACT=1` and name
   `REPACK_EXACT` in its system info, and an exact process uses the extra buffer types only
   then, and never with AMX compiled in (`LlamaModel`, `exact_repacking`).
 - the tiled K-quant kernels: off through `GGML_CPU_TILED_MM=0`, which must be in the
   environment before the first decode.
 - arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
   so exact kernels on arm64 run on the wheel.
-`--kernels fast` runs the fast build with all of them, which makes Q4_0 and K-quant models
-prefill faster and gives up exact continuations on them. A worker learns which from
-`SUPERFLUID_EXACT` in its environment; every other process computes exactly.
+`--kernels fast` runs the fast build with all of them, which makes the other K-quant types
+prefill faster (Q6_K, which Q4_K_M models hold some of) and gives up exact continuations. A
+worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
+exactly.
 
 On a GPU build (`make serve GPU=cuda` or `GPU=metal`: docs/deployment/gpu.md) the layers on the GPU
 run the GPU backend's kernels, which pick their matrix multiplication by batch size too (CUDA's
@@ -66,7 +68,7 @@ TILED_ENV = "GGML_CPU_TILED_MM"
 FA_ONE_ORDER = "FA_ONE_ORDER"
 FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
 # named by a library that, when REPACK_EXACT_ENV is 1, repacks only the weight types whose repacked kernels
-# ignore the batch (Q4_0 and IQ4_NL on x86: scripts/patches/repack-exact-types.patch)
+# ignore the batch (Q4_0, IQ4_NL and Q4_K on x86: scripts/patches/repack-exact-types.patch)
 REPACK_EXACT = "REPACK_EXACT"
 REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
