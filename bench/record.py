@@ -40,6 +40,7 @@ SECTIONS = (
     "cluster",
     "agents",
     "engine-large",
+    "engine-q4k",
     "http-large",
     "sustained",
     "sustained-large",

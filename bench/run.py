@@ -4,15 +4,15 @@
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
-                                                # cluster, agents, engine-large, http-large, sustained
-                                                # or sustained-large
+                                                # cluster, agents, engine-large, engine-q4k, http-large,
+                                                # sustained or sustained-large
     .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
     .venv/bin/python bench/run.py --only http --model M.gguf --gpu-layers all --results DIR
                                                 # the http section on a GGUF of one's own, on a GPU
                                                 # (scripts/gpu_check.sh), its figures kept apart
     .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
-Thirteen sections, one system driven at a time:
+Fourteen sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), with flash attention on a KV stream
   per sequence, at superfluid's two settings (`--kernels exact`, the default, and `--kernels
@@ -45,6 +45,8 @@ Thirteen sections, one system driven at a time:
   architecture at about 0.7B parameters (bench/random_model.py writes it once, with llama.cpp's
   gguf-py, and caches it), where decoding is bound by memory bandwidth as on the models people
   run; every request there uses `ignore_eos`, since its text is noise;
+- engine-q4k: the engine section on that model with Q4_K weights (Q4_K_M's main type), drawn as
+  random blocks: llama.cpp repacks them, and exact kernels keep the repacked kernels;
 - sustained, sustained-large: ten minutes of eight clients (tokens per second and resident
   memory, first minute against last, and memory against llama-server's), and 32 requests of
   900+900 tokens on 8 lanes of 2,048 against llama-server (bench/sustained.py), on each model.
@@ -983,14 +985,16 @@ def run_agents(run: Run) -> list[Result]:
     return agent_figures(run.root, run.peers, run.quick, run.threads, run.rounds)
 
 
-def large_model(run: Run, section: str) -> tuple[Path, str] | None:
-    """The random-weight model the `-large` sections run on, and its size in words; None without the peers."""
+def large_model(run: Run, section: str, weights: str = "q4_1") -> tuple[Path, str] | None:
+    """The random-weight model the `-large` sections run on (`weights` of that type), and its size in words
+    (with the type, where it is not Q4_1); None without the peers."""
     if run.peers is None:
         print(f"{section}: needs --peers (llama.cpp's gguf-py writes the model; llama.cpp is compared)", flush=True)
         return None
     shape = Shape()
-    model = random_model(run.peers, shape)
+    model = random_model(run.peers, shape, weights=weights)
     size = f"{shape.parameters(LlamaModel(model, vocab_only=True).n_vocab) / 1e9:.1f}B"
+    size += "" if weights == "q4_1" else f" {weights.upper()}"
     print(f"{section}: on {model.name}, {size} parameters of random weights", flush=True)
     return model, size
 
@@ -1003,9 +1007,9 @@ def named_for(rows: list[Result], size: str) -> list[Result]:
     return rows
 
 
-def run_engine_large(run: Run) -> list[Result]:
+def run_engine_large(run: Run, section: str = "engine-large", weights: str = "q4_1") -> list[Result]:
     """The engine section on a model of the size people run: prefill and decode of each configuration."""
-    found = large_model(run, "engine-large")
+    found = large_model(run, section, weights)
     if found is None or run.peers is None:
         return []
     model, size = found
@@ -1043,6 +1047,7 @@ RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "cluster": run_cluster,
     "agents": run_agents,
     "engine-large": run_engine_large,
+    "engine-q4k": lambda run: run_engine_large(run, "engine-q4k", "q4_k"),
     "http-large": run_http_large,
     "sustained": lambda run: sustained_section(run.peers, run.quick, run.threads, run.root, embedded_model().path),
     "sustained-large": run_sustained_large,
