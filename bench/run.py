@@ -994,9 +994,8 @@ def large_model(run: Run, section: str, weights: str = "q4_1") -> tuple[Path, st
     shape = Shape()
     model = random_model(run.peers, shape, weights=weights)
     size = f"{shape.parameters(LlamaModel(model, vocab_only=True).n_vocab) / 1e9:.1f}B"
-    size += "" if weights == "q4_1" else f" {weights.upper()}"
     print(f"{section}: on {model.name}, {size} parameters of random weights", flush=True)
-    return model, size
+    return model, size if weights == "q4_1" else f"{size} {weights.upper()}"
 
 
 def named_for(rows: list[Result], size: str) -> list[Result]:
