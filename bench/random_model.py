@@ -62,8 +62,6 @@ SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads
 # numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); Q4_K blocks (Q4_K_M's main type,
 # repacked too) are drawn as bytes, since gguf-py cannot quantize to it; f16 is for llama-quantize
 WEIGHTS = ("q4_1", "q4_0", "q4_k", "f16")
-# weights per Q4_K block, and its bytes: d and dmin (f16), 12 bytes of 6-bit scales and mins, 128 of quants
-Q4_K_BLOCK = (256, 144)
 # d and dmin for drawn Q4_K blocks: with scales, mins and quants uniform, weights of mean about 0 and spread about 0.02
 Q4_K_D, Q4_K_DMIN = 8e-5, 6e-4
 
@@ -118,10 +116,11 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
     quantized = getattr(gguf.GGMLQuantizationType, weights.upper())
+    block_size = gguf.GGML_QUANT_SIZES[quantized]  # (weights, bytes) per block
 
     def matrix(name: str, rows: int, columns: int) -> None:
         if weights == "q4_k":
-            writer.add_tensor(name, q4_k_blocks(rng, rows, columns), raw_dtype=quantized)
+            writer.add_tensor(name, q4_k_blocks(rng, rows, columns, block_size), raw_dtype=quantized)
         elif weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
             drawn = rng.standard_normal(size=(rows, columns), dtype=np.float32) * np.float32(0.02)
             writer.add_tensor(name, drawn.astype(np.float16))
@@ -153,9 +152,10 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     target.with_suffix(".partial").rename(target)  # a file of this name is whole
 
 
-def q4_k_blocks(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray:
-    """Q4_K blocks of random quants, scales and mins, as the bytes of `rows` rows of `columns` weights."""
-    per_block, size = Q4_K_BLOCK
+def q4_k_blocks(rng: np.random.Generator, rows: int, columns: int, block: tuple[int, int]) -> np.ndarray:
+    """Q4_K blocks of random quants, scales and mins, as the bytes of `rows` rows of `columns` weights; `block`
+    is a block's weights and bytes (d and dmin in f16 first, then 6-bit scales and mins, then the quants)."""
+    per_block, size = block
     if columns % per_block:
         raise SystemExit(f"Q4_K rows hold whole blocks of {per_block} weights, not {columns}")
     blocks = rng.integers(0, 256, size=(rows, columns // per_block, size), dtype=np.uint8)

@@ -46,7 +46,6 @@ class FakeLlama:
         self.model = SimpleNamespace(end_of_generation=np.eye(1, VOCAB, 0, dtype=bool)[0])
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay, self.position_delay = delay, position_delay
-        self.batches: list[set[int]] = []  # the slots of each decode
         self.orders: list[list[int]] = []  # the slot of each token of each decode, in the batch's order
         self.truncate_delay = 0.0
         self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
@@ -55,10 +54,14 @@ class FakeLlama:
     def copy_pending(self) -> bool:
         return bool(self.copying)
 
+    @property
+    def batches(self) -> list[set[int]]:
+        """The slots of each decode."""
+        return [set(order) for order in self.orders]
+
     def decode(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, want: np.ndarray) -> np.ndarray:
         self.copying.clear()
         self._compute(self.delay + self.position_delay * len(tokens))
-        self.batches.append({int(s) for s in seqs})
         self.orders.append([int(s) for s in seqs])
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):

@@ -671,12 +671,11 @@ class Scheduler:
             plan.append((lane, lane.feed[:take], len(lane.held)))
             budget -= take
             completes = completes or (take == len(lane.feed) and not lane.job.prefill_only)
-        # llama.cpp cuts a batch into micro-batches of consecutive slots, taken in the batch's order. Lanes decoding
-        # a token batch together in slot order; prompt chunks go first, so a chunk never shares a micro-batch with
-        # the decoding lanes beside its slot: on the 0.7B bench model, 300-token chunks with three lanes decoding
-        # on the slots before theirs prefilled at 70 tok/s in slot order, at 110-114 placed first (two separate
-        # decodes: 108-113)
-        return sorted(plan, key=lambda entry: (len(entry[1]) == 1, entry[0].seq))
+        # llama.cpp cuts a batch into micro-batches of consecutive slots, taken in the batch's order: decoding
+        # lanes in slot order share one, and prompt chunks go before them, so a chunk never shares the decoding
+        # lanes' micro-batch. On the 0.7B bench model, 300-token chunks behind three lanes decoding on the slots
+        # before theirs prefilled at 70 tok/s; placed first, at 110-114 (two separate decodes: 108-113)
+        return sorted(plan, key=lambda entry: (entry[0].decoding, entry[0].seq))
 
     def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
         """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
