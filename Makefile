@@ -63,7 +63,8 @@ WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 # which make decodes of several positions cheaper and, on x86, have llamafile's sgemm take
 # one-token products too, so it ignores the batch. Its libllama.so is what workers load
 # (linked at .venv/llama-fast): on `--kernels exact`, the default, with the tiled kernels and
-# the repacking of K-quant weights left off at run time; on `--kernels fast` with them. `make bench` adds
+# the repacking of weights held at run time to the types whose kernels ignore the batch; on
+# `--kernels fast` with all of them. `make bench` adds
 # llama-server and llama-batched-bench to it, and llama-batched-bench built with the wheel's
 # flags above.
 # Our patches to that source (scripts/patches) are part of its name: a build from other

@@ -18,8 +18,8 @@ five positions per step, as speculation checks a draft. For each path it prints 
 position whose logits differ in any bit, or that all of them are identical.
 
 It runs on the library and kernels a worker runs by default: the fast build (`.venv/llama-fast`)
-with `--kernels exact`. `--kernels fast` lets the weights be repacked and the tiled K-quant
-kernels run, as `serve --kernels fast` does; `--library wheel` probes llama-cpp-python's own
+with `--kernels exact`. `--kernels fast` lets every weight type be repacked and run the tiled
+K-quant kernels, as `serve --kernels fast` does; `--library wheel` probes llama-cpp-python's own
 library, which `--no-worker-process` runs.
 
 A path that differs breaks the promise that a cut, resumed, forked or crash-replayed greedy
@@ -41,8 +41,6 @@ import numpy as np
 
 from superfluid.config import KERNELS
 from superfluid.engine.build import (
-    EXACT_ENV,
-    FA_ORDER_ENV,
     LIBRARY_ENV,
     TILED_ENV,
     fast_library,
@@ -332,8 +330,9 @@ def main() -> int:
     parser.add_argument("--kernels", choices=KERNELS, default="exact", help="as serve's --kernels (default: exact)")
     args = parser.parse_args()
     environment = probe_environment(args.library, args.kernels)
-    if any(os.environ.get(name) != environment.get(name) for name in (LIBRARY_ENV, TILED_ENV, EXACT_ENV, FA_ORDER_ENV)):
-        # the library is loaded when llama_cpp is imported, and the tiled kernels read their switch once
+    switches = (LIBRARY_ENV, *worker_environment(None, exact=True))
+    if any(os.environ.get(name) != environment.get(name) for name in switches):
+        # the library is loaded when llama_cpp is imported, and its kernels read their switches once
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     print(system_info())
     model = LlamaModel(args.model or embedded_model().path)  # exact or not as its environment says
@@ -341,6 +340,7 @@ def main() -> int:
     flash = args.attention == "flash" if args.attention else flash_attention_on(library)
     print(f"attention: {'flash' if flash else 'plain'}")
     print(f"repacked weights: {'on' if model.repacking else 'off'}")
+    print(f"tiled K-quant kernels: {'on' if os.environ[TILED_ENV] != '0' else 'off'}")
     results = probe_all(model, list(PROMPTS[: args.prompts]), args.tokens, args.threads, flash, args.context)
     width = max(len(name) for name in PATHS)
     for name in PATHS:

@@ -59,11 +59,15 @@ class Shape:
 
 # the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
 SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
-# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); Q4_K blocks (Q4_K_M's main type,
-# repacked too) are drawn as bytes, since gguf-py cannot quantize to it; f16 is for llama-quantize
-WEIGHTS = ("q4_1", "q4_0", "q4_k", "f16")
-# d and dmin for drawn Q4_K blocks: with scales, mins and quants uniform, weights of mean about 0 and spread about 0.02
-Q4_K_D, Q4_K_DMIN = 8e-5, 6e-4
+# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); K-quant blocks are drawn as bytes,
+# since gguf-py cannot quantize to them: Q4_K (Q4_K_M's main type, repacked too), Q5_K (Q5_K_M's) and Q6_K (the
+# rest of either, both taken by llama.cpp's tiled kernels), and Q4_K_M, the two mixed as in the most common
+# download; f16 is for llama-quantize
+WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "f16")
+# where a drawn K-quant block holds its f16 scales, and their values: with the quants, sub-block scales and mins
+# uniform, weights of mean about 0 and spread about 0.02 (Q4_K and Q5_K: d and dmin first; Q6_K: d last, after
+# 208 bytes)
+K_QUANT_SCALES = {"q4_k": (0, (8e-5, 6e-4)), "q5_k": (0, (4e-5, 6e-4)), "q6_k": (208, (1.5e-5,))}
 
 
 def gguf_py(peers: Path) -> Any:
@@ -90,7 +94,8 @@ SHAPE_KEYS = (
 
 def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = "q4_1") -> None:
     """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
-    weights drawn at random, quantized to Q4_1 or Q4_0, drawn as Q4_K blocks, or kept as f16 (`weights`)."""
+    weights drawn at random, quantized to Q4_1 or Q4_0, drawn as K-quant blocks (one type, or Q4_K_M's mix), or
+    kept as f16 (`weights`)."""
     gguf = gguf_py(peers)
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
@@ -111,17 +116,18 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
-    file_type = "MOSTLY_Q4_K_S" if weights == "q4_k" else f"MOSTLY_{weights.upper()}"  # every matrix Q4_K
+    file_type = f"MOSTLY_{weights.upper()}_S" if weights in ("q4_k", "q5_k") else f"MOSTLY_{weights.upper()}"
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
-    quantized = getattr(gguf.GGMLQuantizationType, weights.upper())
-    block_size = gguf.GGML_QUANT_SIZES[quantized]  # (weights, bytes) per block
 
     def matrix(name: str, rows: int, columns: int) -> None:
-        if weights == "q4_k":
-            writer.add_tensor(name, q4_k_blocks(rng, rows, columns, block_size), raw_dtype=quantized)
-        elif weights == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
+        kind = tensor_weights(weights, name)
+        quantized = getattr(gguf.GGMLQuantizationType, kind.upper())
+        if kind in K_QUANT_SCALES:
+            block_size = gguf.GGML_QUANT_SIZES[quantized]  # (weights, bytes) per block
+            writer.add_tensor(name, k_quant_blocks(rng, rows, columns, block_size, kind), raw_dtype=quantized)
+        elif kind == "f16":  # drawn in float32, half float64's time and memory, at 7B parameters
             drawn = rng.standard_normal(size=(rows, columns), dtype=np.float32) * np.float32(0.02)
             writer.add_tensor(name, drawn.astype(np.float16))
         else:
@@ -152,15 +158,31 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     target.with_suffix(".partial").rename(target)  # a file of this name is whole
 
 
-def q4_k_blocks(rng: np.random.Generator, rows: int, columns: int, block: tuple[int, int]) -> np.ndarray:
-    """Q4_K blocks of random quants, scales and mins, as the bytes of `rows` rows of `columns` weights; `block`
-    is a block's weights and bytes (d and dmin in f16 first, then 6-bit scales and mins, then the quants)."""
+def tensor_weights(weights: str, name: str) -> str:
+    """The type of tensor `name` in a model of `weights`: that type, but for Q4_K_M, which keeps the output (here
+    the tied embedding) and the attn_v and ffn_down of every other layer in Q6_K, the rest in Q4_K, about as
+    llama-quantize lays out a Q4_K_M model."""
+    if weights != "q4_k_m":
+        return weights
+    if name == "token_embd.weight":
+        return "q6_k"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and int(name.split(".")[1]) % 2 == 0:
+        return "q6_k"
+    return "q4_k"
+
+
+def k_quant_blocks(
+    rng: np.random.Generator, rows: int, columns: int, block: tuple[int, int], weights: str
+) -> np.ndarray:
+    """K-quant blocks of random quants and sub-block scales (and mins), as the bytes of `rows` rows of `columns`
+    weights; `block` is a block's weights and bytes, and its f16 scales go where `K_QUANT_SCALES` says."""
     per_block, size = block
     if columns % per_block:
-        raise SystemExit(f"Q4_K rows hold whole blocks of {per_block} weights, not {columns}")
+        raise SystemExit(f"{weights.upper()} rows hold whole blocks of {per_block} weights, not {columns}")
     blocks = rng.integers(0, 256, size=(rows, columns // per_block, size), dtype=np.uint8)
-    scales = np.array([Q4_K_D, Q4_K_DMIN], dtype=np.float16).view(np.uint8)
-    blocks[:, :, : scales.size] = scales
+    at, values = K_QUANT_SCALES[weights]
+    scales = np.array(values, dtype=np.float16).view(np.uint8)
+    blocks[:, :, at : at + scales.size] = scales
     return blocks.reshape(rows, -1)
 
 

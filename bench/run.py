@@ -4,15 +4,15 @@
     .venv/bin/python bench/run.py --peers DIR   # the same with the peers already built
     .venv/bin/python bench/run.py --quick       # smaller workloads, for a smoke run
     .venv/bin/python bench/run.py --only http   # one section: engine, http, socket, park, startup, spec, ui,
-                                                # cluster, agents, engine-large, engine-q4k, http-large,
-                                                # sustained or sustained-large
+                                                # cluster, agents, engine-large, engine-q4km, engine-q5k,
+                                                # http-large, sustained or sustained-large
     .venv/bin/python bench/run.py --rounds 1    # one round of each repeated measure
     .venv/bin/python bench/run.py --only http --model M.gguf --gpu-layers all --results DIR
                                                 # the http section on a GGUF of one's own, on a GPU
                                                 # (scripts/gpu_check.sh), its figures kept apart
     .venv/bin/python bench/render.py            # docs/benchmarks.md and the README's summary, from the results
 
-Fourteen sections, one system driven at a time:
+Fifteen sections, one system driven at a time:
 - engine: llama.cpp's own `llama-batched-bench` at llama.cpp's defaults (its fastest build,
   flash attention as llama.cpp chooses, one unified KV), with flash attention on a KV stream
   per sequence, at superfluid's two settings (`--kernels exact`, the default, and `--kernels
@@ -45,8 +45,10 @@ Fourteen sections, one system driven at a time:
   architecture at about 0.7B parameters (bench/random_model.py writes it once, with llama.cpp's
   gguf-py, and caches it), where decoding is bound by memory bandwidth as on the models people
   run; every request there uses `ignore_eos`, since its text is noise;
-- engine-q4k: the engine section on that model with Q4_K weights (Q4_K_M's main type), drawn as
-  random blocks: llama.cpp repacks them, and exact kernels keep the repacked kernels;
+- engine-q4km, engine-q5k: the engine section on that model with K-quant weights drawn as random
+  blocks: Q4_K_M's mix (Q4_K, which llama.cpp repacks, and Q6_K, which its tiled kernels take
+  from eight rows on) and Q5_K (tiled too); exact kernels keep both kernels where their
+  one-token kernels sum alike;
 - sustained, sustained-large: ten minutes of eight clients (tokens per second and resident
   memory, first minute against last, and memory against llama-server's), and 32 requests of
   900+900 tokens on 8 lanes of 2,048 against llama-server (bench/sustained.py), on each model.
@@ -430,8 +432,8 @@ ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
         {},
     ),
     (
-        "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, no tiled kernels, "
-        "flash attention in one order, a KV stream per sequence",
+        "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, tiled kernels "
+        "only for Q5_K and Q6_K, flash attention in one order, a KV stream per sequence",
         "fast",
         ("-fa", "on"),
         worker_environment(None, exact=True),  # the switches an exact worker runs with
@@ -1046,7 +1048,8 @@ RUNNERS: dict[str, Callable[[Run], list[Result]]] = {
     "cluster": run_cluster,
     "agents": run_agents,
     "engine-large": run_engine_large,
-    "engine-q4k": lambda run: run_engine_large(run, "engine-q4k", "q4_k"),
+    "engine-q4km": lambda run: run_engine_large(run, "engine-q4km", "q4_k_m"),
+    "engine-q5k": lambda run: run_engine_large(run, "engine-q5k", "q5_k"),
     "http-large": run_http_large,
     "sustained": lambda run: sustained_section(run.peers, run.quick, run.threads, run.root, embedded_model().path),
     "sustained-large": run_sustained_large,

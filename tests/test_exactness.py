@@ -78,16 +78,20 @@ def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
     assert "re-prefill" in done.stdout and " #" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "q4_k"])
-def test_repacked_weights_compute_exactly_on_the_fast_build(tmp_path: Path, weights: str) -> None:
+@pytest.mark.parametrize("weights", ["q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m"])
+def test_repacked_and_tiled_weights_compute_exactly_on_the_fast_build(tmp_path: Path, weights: str) -> None:
     # exact kernels repack Q4_0 and Q4_K weights on x86 (scripts/patches/repack-exact-types.patch): llama.cpp's
     # gemm takes the rows of a batch four at a time and its gemv the rest, so the two must quantize and sum alike
-    # (for Q4_K, with scripts/patches/repack-q4_K-one-order.patch; without it the batched path differs at once)
+    # (for Q4_K, with scripts/patches/repack-q4_K-one-order.patch; without it the batched path differs at once).
+    # Q5_K and Q6_K weights stay plain and take llama.cpp's tiled kernels from eight rows on, its one-row kernels
+    # below (scripts/patches/tiled-k-quants-one-order.patch has those sum in the tiled kernels' order); Q4_K_M
+    # mixes repacked Q4_K and tiled Q6_K
     from random_model import Shape, random_model
 
     peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
     model = random_model(peers, Shape(width=256, layers=2, ffn=512, kv_heads=2), tmp_path, weights=weights)
-    assert "repacked weights: on" in probe_fast_build("--tokens", "24", "--model", str(model))
+    printed = probe_fast_build("--tokens", "24", "--model", str(model))
+    assert "repacked weights: on" in printed and "tiled K-quant kernels: on" in printed
 
 
 def test_every_engine_path_computes_bit_identical_logits_on_llama_cpp_pythons_library() -> None:

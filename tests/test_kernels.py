@@ -16,7 +16,7 @@ import llama_cpp
 import pytest
 from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 
-from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV, TILED_ENV, fast_library
+from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV, TILED_ENV, TILED_EXACT_ENV, fast_library
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,10 @@ def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
     paths = {Path(line.split()[-1]) for line in maps if "libllama.so" in line}
     assert len(paths) == 1, paths
     variables = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-    switches = {name: variables.get(name, "") for name in (EXACT_ENV, TILED_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV)}
+    switches = {
+        name: variables.get(name, "")
+        for name in (EXACT_ENV, TILED_ENV, TILED_EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV)
+    }
     reported = f"{entry['runtime']['kernels']}, {entry['runtime']['attention']}"
     return reported, paths.pop().parent.resolve(), switches
 
@@ -54,8 +57,14 @@ def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
         assert (kernels, loaded) == ("exact, flash", library.resolve())
-        # repacked weights only of exact types, no tiled kernels; flash attention held to one order
-        assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1", REPACK_EXACT_ENV: "1"}
+        # repacked weights and tiled kernels only for the types they compute exactly; flash attention in one order
+        assert switches == {
+            EXACT_ENV: "1",
+            TILED_ENV: "1",
+            TILED_EXACT_ENV: "1",
+            FA_ORDER_ENV: "1",
+            REPACK_EXACT_ENV: "1",
+        }
         serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
@@ -69,7 +78,13 @@ def test_kernels_fast_runs_the_fast_build_with_every_kernel(tmp_path: Path) -> N
         assert "on fast kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
         assert (kernels, loaded) == ("fast, flash", library.resolve())
-        assert switches == {EXACT_ENV: "0", TILED_ENV: "1", FA_ORDER_ENV: "0", REPACK_EXACT_ENV: "0"}
+        assert switches == {
+            EXACT_ENV: "0",
+            TILED_ENV: "1",
+            TILED_EXACT_ENV: "0",
+            FA_ORDER_ENV: "0",
+            REPACK_EXACT_ENV: "0",
+        }
         serves_a_forced_length(daemon, 24)
     finally:
         daemon.stop()
@@ -84,7 +99,14 @@ def test_without_the_fast_build_exact_kernels_run_on_the_library_llama_cpp_pytho
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
         assert (kernels, loaded) == ("exact, plain", (Path(llama_cpp.__file__).parent / "lib").resolve())
-        assert switches == {EXACT_ENV: "1", TILED_ENV: "0", FA_ORDER_ENV: "1", REPACK_EXACT_ENV: "1"}
+        # the wheel's tiled kernels are not held to any type: off
+        assert switches == {
+            EXACT_ENV: "1",
+            TILED_ENV: "0",
+            TILED_EXACT_ENV: "1",
+            FA_ORDER_ENV: "1",
+            REPACK_EXACT_ENV: "1",
+        }
     finally:
         daemon.stop()
 

@@ -124,6 +124,25 @@ def test_kernels_exact_on_a_default_pip_build_is_refused_with_the_command_that_r
     assert exact_refusal(patched) is None
 
 
+def test_kernels_exact_with_tiled_kernels_on_is_refused_unless_the_library_holds_them_to_exact_types(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # scripts/patches/tiled-k-quants-one-order.patch: the tiled kernels may stay on, held by GGML_CPU_TILED_EXACT to
+    # the types whose one-token kernels sum alike
+    held = IMAGE_BUILD + " TILED_EXACT = 1 |"
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
+    monkeypatch.delenv("GGML_CPU_TILED_EXACT", raising=False)
+    off = "--kernels exact needs llama.cpp's tiled K-quant kernels off: unset GGML_CPU_TILED_MM or set it to 0"
+    assert exact_refusal(IMAGE_BUILD) == off
+    assert exact_refusal(held) == (
+        "--kernels exact needs llama.cpp's tiled K-quant kernels held to the weight types they compute exactly: "
+        "set GGML_CPU_TILED_EXACT=1, or GGML_CPU_TILED_MM=0"
+    )
+    monkeypatch.setenv("GGML_CPU_TILED_EXACT", "1")
+    assert exact_refusal(held) is None
+    assert exact_refusal(IMAGE_BUILD) == off, "a library without the patch sums K-quants otherwise below eight rows"
+
+
 def test_a_default_build_is_told_by_its_amx_kernels() -> None:
     # LlamaModel leaves llama.cpp's extra weight buffers off where they are: on this machine's (virtual)
     # CPU, a default build's AMX kernels crashed the worker (SIGSEGV) on the first decode

@@ -25,12 +25,19 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   library repack only those three types under `GGML_CPU_REPACK_EXACT=1` and name
   `REPACK_EXACT` in its system info, and an exact process uses the extra buffer types only
   then, and never with AMX compiled in (`LlamaModel`, `exact_repacking`).
-- the tiled K-quant kernels: off through `GGML_CPU_TILED_MM=0`, which must be in the
-  environment before the first decode.
+- the tiled K-quant kernels: they sum an output block by block, each block's integer sums
+  scaled by the weights' then the activations' scales; the one-token kernels sum in eight
+  lanes and add them at the end. Our patch (scripts/patches/tiled-k-quants-one-order.patch) has
+  the one-token Q5_K and Q6_K kernels sum in the tiled kernels' order on x86 with AVX2, and,
+  under `GGML_CPU_TILED_EXACT=1`, the tiled kernels take only those two types (Q6_K is the rest
+  of a Q4_K_M model, whose Q4_K weights are repacked; Q5_K_M models hold both); the library
+  names `TILED_EXACT` in its system info.
+  On a library without it (the wheel), they are off through `GGML_CPU_TILED_MM=0`. Either
+  switch must be in the environment before the first decode.
 - arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
   so exact kernels on arm64 run on the wheel.
 `--kernels fast` runs the fast build with all of them, which makes the other K-quant types
-prefill faster (Q6_K, which Q4_K_M models hold some of) and gives up exact continuations. A
+prefill faster (Q3_K, Q2_K and the IQ types) and gives up exact continuations. A
 worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
 exactly.
 
@@ -63,6 +70,11 @@ BATCH_DEPENDENT = ("LLAMAFILE", "MATMUL_INT8")
 # named by a library whose llamafile sgemm takes one-token products too (scripts/patches/sgemm-one-column.patch)
 INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
+# named by a library whose tiled K-quant kernels, when TILED_EXACT_ENV is 1, take only the weight types whose
+# one-token kernel sums each output in their order
+# (Q5_K and Q6_K on x86: scripts/patches/tiled-k-quants-one-order.patch)
+TILED_EXACT = "TILED_EXACT"
+TILED_EXACT_ENV = "GGML_CPU_TILED_EXACT"
 # named by a library whose flash attention sums each query in one order, whatever its batch, when
 # FA_ORDER_ENV is 1 (scripts/patches/tiled-attention-one-order.patch)
 FA_ONE_ORDER = "FA_ONE_ORDER"
@@ -140,9 +152,16 @@ def exact_repacking(info: str | None = None) -> bool:
     return os.environ.get(REPACK_EXACT_ENV, "0") == "1"
 
 
-def tiled_kernels_on() -> bool:
-    """Whether llama.cpp's tiled K-quant kernels would run in this process (see `disable_tiled_kernels`)."""
-    return os.environ.get(TILED_ENV, "1") != "0"
+def tiled_problem(info: str | None = None) -> str | None:
+    """Why llama.cpp's tiled K-quant kernels would let the batch change a token's logits in this process (see
+    `disable_tiled_kernels`), or None: they are off, or held to the types they compute exactly."""
+    if os.environ.get(TILED_ENV, "1") == "0":
+        return None
+    if features(system_info() if info is None else info).get(TILED_EXACT, "0") == "0":
+        return f"tiled K-quant kernels are on ({TILED_ENV} is not 0)"
+    if os.environ.get(TILED_EXACT_ENV, "0") != "1":
+        return f"tiled K-quant kernels take every K-quant type ({TILED_EXACT_ENV} is not 1)"
+    return None
 
 
 def flash_attention_problem(info: str | None = None) -> str | None:
@@ -159,8 +178,8 @@ def exactness_problems(info: str | None = None) -> list[str]:
     (whose extra buffer types hold only exact types, if any); empty when nothing does."""
     problems = [f"{name} kernels are compiled in" for name in batch_dependent_kernels(info)]
     problems += [f"the {name} backend is compiled in" for name in gpu_backends(info)]
-    if tiled_kernels_on():
-        problems.append(f"tiled K-quant kernels are on ({TILED_ENV} is not 0)")
+    if tiled := tiled_problem(info):
+        problems.append(tiled)
     return problems
 
 
@@ -198,9 +217,14 @@ def exact_refusal(info: str | None = None) -> str | None:
             f"and this one has {', '.join(compiled)} (pip compiles it with llama.cpp's defaults, since a package "
             f"cannot set its dependencies' flags); recompile it with: {install}"
         )
-    if tiled_kernels_on():
+    if tiled_problem(info) is None:
+        return None
+    if features(system_info() if info is None else info).get(TILED_EXACT, "0") == "0":
         return f"--kernels exact needs llama.cpp's tiled K-quant kernels off: unset {TILED_ENV} or set it to 0"
-    return None
+    return (
+        "--kernels exact needs llama.cpp's tiled K-quant kernels held to the weight types they compute exactly: "
+        f"set {TILED_EXACT_ENV}=1, or {TILED_ENV}=0"
+    )
 
 
 def fast_library() -> Path | None:
@@ -226,11 +250,12 @@ def flash_attention_on(library: Path | None) -> bool:
 
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
-    itself): exactly (tiled kernels off, weights repacked only where their kernels ignore the batch, flash
-    attention in one order), or with every fast kernel."""
+    itself): exactly (tiled kernels and repacked weights only for the types whose kernels ignore the batch, on
+    the wheel no tiled kernels, flash attention in one order), or with every fast kernel."""
     switch = str(int(exact))
     environment = {
-        TILED_ENV: str(int(not exact)),
+        TILED_ENV: str(int(not exact or library is not None)),
+        TILED_EXACT_ENV: switch,
         EXACT_ENV: switch,
         FA_ORDER_ENV: switch,
         REPACK_EXACT_ENV: switch,
