@@ -9,7 +9,6 @@ same commit superfluid runs), at its own defaults; `batched_bench` runs llama.cp
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from superfluid.client import SocketClient
+from superfluid.engine.build import llama_cpp_environment
 
 
 def free_port() -> int:
@@ -33,14 +33,15 @@ class Server:
 
     name = "server"
 
-    def __init__(self, args: list[str], log: Path, port: int) -> None:
+    def __init__(self, args: list[str], log: Path, port: int, environment: dict[str, str] | None = None) -> None:
         self.args, self.log, self.port = args, log, port
+        self.environment = environment  # None: this process's
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.environment)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -116,7 +117,8 @@ class LlamaServer(Server):
         port = free_port()
         args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
         args += ["-np", str(lanes), "-c", str(lanes * window), "-kvu", "-t", str(threads), "--no-webui", *extra]
-        super().__init__(args, root / "llama-server.log", port)
+        # llama.cpp's own kernel switches: this process's turn the tiled kernels off (superfluid.engine.build)
+        super().__init__(args, root / "llama-server.log", port, llama_cpp_environment())
 
 
 def batched_bench(
@@ -129,11 +131,12 @@ def batched_bench(
     environment: dict[str, str] | None = None,
 ) -> list[dict]:
     """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s;
-    `environment` is added to this process's."""
+    `environment` is added to llama.cpp's defaults (`llama_cpp_environment`)."""
     context = max(streams) * (prompt + tokens) + 64
     args = [str(binary), "-m", str(model), "-c", str(context), "-npp", str(prompt), "-ntg", str(tokens)]
     args += ["-npl", ",".join(map(str, streams)), "--output-format", "jsonl", *flags]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=1800, env={**os.environ, **(environment or {})})
+    environment = {**llama_cpp_environment(), **(environment or {})}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1800, env=environment)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")

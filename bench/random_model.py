@@ -60,14 +60,19 @@ class Shape:
 # the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
 SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
 # numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); K-quant blocks are drawn as bytes,
-# since gguf-py cannot quantize to them: Q4_K (Q4_K_M's main type, repacked too), Q5_K (Q5_K_M's) and Q6_K (the
-# rest of either, both taken by llama.cpp's tiled kernels), and Q4_K_M, the two mixed as in the most common
-# download; f16 is for llama-quantize
-WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "f16")
+# since gguf-py cannot quantize to them: Q4_K (Q4_K_M's main type, repacked too), the others llama.cpp's tiled
+# kernels take (Q6_K, the rest of a Q4_K_M model; Q5_K, Q3_K and Q2_K), and Q4_K_M, Q4_K and Q6_K mixed as in the
+# most common download; f16 is for llama-quantize
+WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q4_k_m", "f16")
 # where a drawn K-quant block holds its f16 scales, and their values: with the quants, sub-block scales and mins
-# uniform, weights of mean about 0 and spread about 0.02 (Q4_K and Q5_K: d and dmin first; Q6_K: d last, after
-# 208 bytes)
-K_QUANT_SCALES = {"q4_k": (0, (8e-5, 6e-4)), "q5_k": (0, (4e-5, 6e-4)), "q6_k": (208, (1.5e-5,))}
+# uniform, weights of mean about 0 and spread about 0.02 (Q4_K and Q5_K: d and dmin first; the others last)
+K_QUANT_SCALES = {
+    "q4_k": (0, (8e-5, 6e-4)),
+    "q5_k": (0, (4e-5, 6e-4)),
+    "q6_k": (208, (1.5e-5,)),
+    "q3_k": (108, (5e-4,)),
+    "q2_k": (80, (2e-3, 3e-3)),
+}
 
 
 def gguf_py(peers: Path) -> Any:
@@ -116,7 +121,7 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_dimension_count(shape.head_dim)
-    file_type = f"MOSTLY_{weights.upper()}_S" if weights in ("q4_k", "q5_k") else f"MOSTLY_{weights.upper()}"
+    file_type = f"MOSTLY_{weights.upper()}_S" if weights in ("q3_k", "q4_k", "q5_k") else f"MOSTLY_{weights.upper()}"
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)

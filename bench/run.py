@@ -88,7 +88,7 @@ from sustained import sustained_section
 from ui import ui_figures
 
 from superfluid.client import SocketClient
-from superfluid.engine.build import TILED_ENV, worker_environment
+from superfluid.engine.build import worker_environment
 from superfluid.engine.interface import ContextShape
 from superfluid.engine.llama import LlamaContext, LlamaModel
 from superfluid.metrics import read_metric
@@ -420,26 +420,22 @@ def socket_section(
 
 # the first is llama.cpp's defaults, then flash attention alone, then superfluid's two settings on the
 # fast build, then the wheel's build, which exact kernels run on where the fast build is not installed.
-# Each is (name, build, flags, environment).
-TILED_OFF = {TILED_ENV: "0"}
-ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], dict[str, str]], ...] = (
-    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu"), {}),
-    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"), {}),
-    (
-        "superfluid --kernels fast: llama.cpp build, flash attention, a KV stream per sequence",
-        "fast",
-        ("-fa", "on"),
-        {},
-    ),
+# Each is (name, build, flags, kernels): kernels None runs llama.cpp's own switches, "fast" or "exact" those a
+# superfluid worker on that build runs with (on the wheel's, which the `exact` build stands for, tiled kernels off).
+ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
+    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu"), None),
+    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"), None),
+    ("superfluid --kernels fast: llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"),
+     "fast"),
     (
         "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, tiled kernels "
-        "only for Q5_K and Q6_K, flash attention in one order, a KV stream per sequence",
+        "only for Q2_K, Q3_K, Q5_K and Q6_K, flash attention in one order, a KV stream per sequence",
         "fast",
         ("-fa", "on"),
-        worker_environment(None, exact=True),  # the switches an exact worker runs with
+        "exact",
     ),
     ("the wheel's build (exact without the fast build), no flash attention, a KV stream per sequence", "exact",
-     ("-fa", "off"), TILED_OFF),
+     ("-fa", "off"), "exact"),
 )  # fmt: skip
 # what superfluid runs: its two kernel settings, each against the fastest of llama.cpp's own settings
 OUR_ENGINES = {"fast": ENGINE_CONFIGS[2][0], "exact": ENGINE_CONFIGS[3][0]}
@@ -461,8 +457,10 @@ def engine_section(
         # each round starts one configuration later, so that none always runs first or last (this machine's
         # speed drifts within a round as much as between settings)
         start = turn % len(ENGINE_CONFIGS)
-        for name, build, flags, environment in ENGINE_CONFIGS[start:] + ENGINE_CONFIGS[:start]:
+        for name, build, flags, kernels in ENGINE_CONFIGS[start:] + ENGINE_CONFIGS[:start]:
             binary = peers / build / "bin" / "llama-batched-bench"
+            library = binary.parent if build == "fast" else None
+            environment = {} if kernels is None else worker_environment(library, exact=kernels == "exact")
             args = ("-t", str(threads), *flags)
             runs = [batched_bench(binary, model, p, tokens, [1], *args, environment=environment) for p in prompts]
             runs.append(batched_bench(binary, model, prompts[0], tokens, [8], *args, environment=environment))

@@ -27,17 +27,17 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   then, and never with AMX compiled in (`LlamaModel`, `exact_repacking`).
 - the tiled K-quant kernels: they sum an output block by block, each block's integer sums
   scaled by the weights' then the activations' scales; the one-token kernels sum in eight
-  lanes and add them at the end. Our patch (scripts/patches/tiled-k-quants-one-order.patch) has
-  the one-token Q5_K and Q6_K kernels sum in the tiled kernels' order on x86 with AVX2, and,
-  under `GGML_CPU_TILED_EXACT=1`, the tiled kernels take only those two types (Q6_K is the rest
-  of a Q4_K_M model, whose Q4_K weights are repacked; Q5_K_M models hold both); the library
-  names `TILED_EXACT` in its system info.
+  lanes and add them at the end. Our patch (scripts/patches/tiled-k-quants-one-order.patch),
+  under `GGML_CPU_TILED_EXACT=1`, has the one-token Q2_K, Q3_K, Q5_K and Q6_K kernels sum in
+  the tiled kernels' order on x86 with AVX2 and the tiled kernels take only those types (Q6_K
+  is the rest of a Q4_K_M model, whose Q4_K weights are repacked); the library names
+  `TILED_EXACT` in its system info.
   On a library without it (the wheel), they are off through `GGML_CPU_TILED_MM=0`. Either
   switch must be in the environment before the first decode.
 - arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
   so exact kernels on arm64 run on the wheel.
 `--kernels fast` runs the fast build with all of them, which makes the other K-quant types
-prefill faster (Q3_K, Q2_K and the IQ types) and gives up exact continuations. A
+prefill faster (the IQ types) and gives up exact continuations. A
 worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
 exactly.
 
@@ -72,7 +72,7 @@ INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
 # named by a library whose tiled K-quant kernels, when TILED_EXACT_ENV is 1, take only the weight types whose
 # one-token kernel sums each output in their order
-# (Q5_K and Q6_K on x86: scripts/patches/tiled-k-quants-one-order.patch)
+# (Q2_K, Q3_K, Q5_K and Q6_K on x86: scripts/patches/tiled-k-quants-one-order.patch)
 TILED_EXACT = "TILED_EXACT"
 TILED_EXACT_ENV = "GGML_CPU_TILED_EXACT"
 # named by a library whose flash attention sums each query in one order, whatever its batch, when
@@ -246,6 +246,13 @@ def flash_attention_on(library: Path | None) -> bool:
     the fast build, whose patch holds it to one order on exact kernels (`worker_environment` sets the switch),
     and not on the wheel, whose flash attention splits its work by the batch."""
     return library is not None
+
+
+def llama_cpp_environment() -> dict[str, str]:
+    """This process's environment without the switches `worker_environment` sets: what llama.cpp's own programs
+    (llama-server, llama-batched-bench) run with at their defaults, tiled kernels on, whatever this process runs."""
+    ours = {LIBRARY_ENV, *worker_environment(None, exact=True)}
+    return {name: value for name, value in os.environ.items() if name not in ours}
 
 
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
