@@ -64,14 +64,14 @@ SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads
 # kernels take (Q6_K, the rest of a Q4_K_M model; Q5_K, Q3_K and Q2_K), and Q4_K_M, Q4_K and Q6_K mixed as in the
 # most common download; f16 is for llama-quantize
 WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q4_k_m", "f16")
-# where a drawn K-quant block holds its f16 scales, and their values: with the quants, sub-block scales and mins
-# uniform, weights of mean about 0 and spread about 0.02 (Q4_K and Q5_K: d and dmin first; the others last)
+# a drawn K-quant block's f16 scales (d, and dmin where it has mins), and whether they lead the block (Q4_K, Q5_K)
+# or end it: with the quants, sub-block scales and mins uniform, weights of mean about 0 and spread about 0.02
 K_QUANT_SCALES = {
-    "q4_k": (0, (8e-5, 6e-4)),
-    "q5_k": (0, (4e-5, 6e-4)),
-    "q6_k": (208, (1.5e-5,)),
-    "q3_k": (108, (5e-4,)),
-    "q2_k": (80, (2e-3, 3e-3)),
+    "q4_k": (True, (8e-5, 6e-4)),
+    "q5_k": (True, (4e-5, 6e-4)),
+    "q6_k": (False, (1.5e-5,)),
+    "q3_k": (False, (5e-4,)),
+    "q2_k": (False, (2e-3, 3e-3)),
 }
 
 
@@ -185,8 +185,9 @@ def k_quant_blocks(
     if columns % per_block:
         raise SystemExit(f"{weights.upper()} rows hold whole blocks of {per_block} weights, not {columns}")
     blocks = rng.integers(0, 256, size=(rows, columns // per_block, size), dtype=np.uint8)
-    at, values = K_QUANT_SCALES[weights]
+    leading, values = K_QUANT_SCALES[weights]
     scales = np.array(values, dtype=np.float16).view(np.uint8)
+    at = 0 if leading else size - scales.size
     blocks[:, :, at : at + scales.size] = scales
     return blocks.reshape(rows, -1)
 

@@ -152,12 +152,18 @@ def exact_repacking(info: str | None = None) -> bool:
     return os.environ.get(REPACK_EXACT_ENV, "0") == "1"
 
 
+def tiled_holdable(info: str | None = None) -> bool:
+    """Whether the loaded library (or `info`) can hold its tiled K-quant kernels to the types they compute
+    exactly (it names TILED_EXACT)."""
+    return features(system_info() if info is None else info).get(TILED_EXACT, "0") != "0"
+
+
 def tiled_problem(info: str | None = None) -> str | None:
     """Why llama.cpp's tiled K-quant kernels would let the batch change a token's logits in this process (see
     `disable_tiled_kernels`), or None: they are off, or held to the types they compute exactly."""
     if os.environ.get(TILED_ENV, "1") == "0":
         return None
-    if features(system_info() if info is None else info).get(TILED_EXACT, "0") == "0":
+    if not tiled_holdable(info):
         return f"tiled K-quant kernels are on ({TILED_ENV} is not 0)"
     if os.environ.get(TILED_EXACT_ENV, "0") != "1":
         return f"tiled K-quant kernels take every K-quant type ({TILED_EXACT_ENV} is not 1)"
@@ -219,7 +225,7 @@ def exact_refusal(info: str | None = None) -> str | None:
         )
     if tiled_problem(info) is None:
         return None
-    if features(system_info() if info is None else info).get(TILED_EXACT, "0") == "0":
+    if not tiled_holdable(info):
         return f"--kernels exact needs llama.cpp's tiled K-quant kernels off: unset {TILED_ENV} or set it to 0"
     return (
         "--kernels exact needs llama.cpp's tiled K-quant kernels held to the weight types they compute exactly: "
