@@ -84,6 +84,11 @@ FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
 REPACK_EXACT = "REPACK_EXACT"
 REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
+# named by a library that, when PAGES_ON_USE_ENV is 1, takes the KV's host memory as cells are written and
+# gives a stream's back when it empties, where llama.cpp writes every cell at start
+# (scripts/patches/kv-pages-on-use.patch)
+PAGES_ON_USE = "PAGES_ON_USE"
+PAGES_ON_USE_ENV = "GGML_PAGES_ON_USE"
 # backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
 GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
 
@@ -264,7 +269,8 @@ def llama_cpp_environment() -> dict[str, str]:
 def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
     """What a worker's environment needs to run on `library` (None: the one llama-cpp-python loads by
     itself): exactly (tiled kernels and repacked weights only for the types whose kernels ignore the batch, on
-    the wheel no tiled kernels, flash attention in one order), or with every fast kernel."""
+    the wheel no tiled kernels, flash attention in one order), or with every fast kernel; on either, KV memory
+    taken as it is written."""
     switch = str(int(exact))
     environment = {
         TILED_ENV: str(int(not exact or library is not None)),
@@ -272,5 +278,6 @@ def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
         EXACT_ENV: switch,
         FA_ORDER_ENV: switch,
         REPACK_EXACT_ENV: switch,
+        PAGES_ON_USE_ENV: "1",
     }
     return environment if library is None else {LIBRARY_ENV: str(library), **environment}

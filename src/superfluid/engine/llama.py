@@ -403,7 +403,8 @@ class LlamaContext:
         """Make `target` hold `source`'s positions [0, length).
 
         llama.cpp copies a whole stream, all `window` cells of it, at the start of the next
-        decode (about 12 ms at 4,096 tokens here), and until then neither slot may be exported
+        decode (about 12 ms at 4,096 tokens here; the fast build copies the cells given:
+        scripts/patches/kv-pages-on-use.patch), and until then neither slot may be exported
         or restored (see `copy_pending`). A short source moves faster through its state, which
         costs by the tokens it holds: at once, and the same bytes.
         """
