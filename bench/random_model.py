@@ -59,13 +59,15 @@ class Shape:
 
 # the shapes `--size` names: the default, and Llama-3-8B's for the GPU check
 SIZES = {"0.7b": Shape(), "8b": Shape(width=4096, layers=32, ffn=14336, kv_heads=8, head_dim=128)}
-# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); K-quant and IQ4_XS blocks are drawn
-# as bytes, since gguf-py cannot quantize to them: Q4_K (Q4_K_M's main type, repacked too), the others llama.cpp's
-# tiled kernels take (Q6_K, the rest of a Q4_K_M model; Q5_K, Q3_K, Q2_K and IQ4_XS), and Q4_K_M, Q4_K and Q6_K
-# mixed as in the most common download; f16 is for llama-quantize
-WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", "q4_k_m", "f16")
-# a drawn block's f16 scales (d, and dmin where it has mins), and whether they lead the block (Q4_K, Q5_K, IQ4_XS)
-# or end it: with the quants, sub-block scales and mins uniform, weights of mean about 0 and spread about 0.02
+# numpy quantizes to Q4_1 and Q4_0 itself (Q4_0 is a type llama.cpp repacks); K-quant and IQ blocks are drawn as
+# bytes, since gguf-py cannot quantize to them: Q4_K (Q4_K_M's main type, repacked too), the others llama.cpp's
+# tiled kernels take (Q6_K, the rest of a Q4_K_M model; Q5_K, Q3_K, Q2_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS
+# and IQ2_XXS), and Q4_K_M, Q4_K and Q6_K mixed as in the most common download; f16 is for llama-quantize
+IQ_TYPES = ("iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs")
+WEIGHTS = ("q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", *IQ_TYPES, "q4_k_m", "f16")
+# a drawn block's f16 scales (d, and dmin where it has mins), and whether they lead the block (Q4_K, Q5_K and the
+# IQ types) or end it: with the quants (an IQ type's grid indices and signs), sub-block scales and mins uniform,
+# weights of mean about 0 and spread about 0.02
 K_QUANT_SCALES = {
     "q4_k": (True, (8e-5, 6e-4)),
     "q5_k": (True, (4e-5, 6e-4)),
@@ -73,6 +75,11 @@ K_QUANT_SCALES = {
     "q3_k": (False, (5e-4,)),
     "q2_k": (False, (2e-3, 3e-3)),
     "iq4_xs": (True, (1.5e-5,)),
+    "iq3_s": (True, (1.4e-4,)),
+    "iq3_xxs": (True, (1.5e-4,)),
+    "iq2_s": (True, (3.5e-4,)),
+    "iq2_xs": (True, (3.5e-4,)),
+    "iq2_xxs": (True, (3.5e-4,)),
 }
 
 

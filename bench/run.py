@@ -429,7 +429,7 @@ ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
      "fast"),
     (
         "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, tiled kernels "
-        "only for Q2_K, Q3_K, Q5_K, Q6_K and IQ4_XS, flash attention in one order, a KV stream per sequence",
+        "for all but IQ1 weights, flash attention in one order, a KV stream per sequence",
         "fast",
         ("-fa", "on"),
         "exact",

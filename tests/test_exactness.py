@@ -27,6 +27,7 @@ from superfluid.protocol.schema import EventBody, GenParams, Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import exactness  # bench/exactness.py: the path-by-path logits probe
+from random_model import IQ_TYPES, Shape, random_model  # bench/random_model.py: models of every weight type
 
 pytestmark = pytest.mark.e2e
 
@@ -78,16 +79,14 @@ def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
     assert "re-prefill" in done.stdout and " #" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs", "q4_k_m"])
+@pytest.mark.parametrize("weights", ["q4_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", *IQ_TYPES, "q4_k_m"])
 def test_repacked_and_tiled_weights_compute_exactly_on_the_fast_build(tmp_path: Path, weights: str) -> None:
     # exact kernels repack Q4_0 and Q4_K weights on x86 (scripts/patches/repack-exact-types.patch): llama.cpp's
     # gemm takes the rows of a batch four at a time and its gemv the rest, so the two must quantize and sum alike
     # (for Q4_K, with scripts/patches/repack-q4_K-one-order.patch; without it the batched path differs at once).
-    # The other K-quants and IQ4_XS stay plain and take llama.cpp's tiled kernels from eight rows on, its one-row
-    # kernels below (scripts/patches/tiled-k-quants-one-order.patch has those sum in the tiled kernels' order);
-    # Q4_K_M mixes repacked Q4_K and tiled Q6_K
-    from random_model import Shape, random_model
-
+    # The other K-quants and the IQ types stay plain and take llama.cpp's tiled kernels from eight rows on, its
+    # one-row kernels below (scripts/patches/tiled-k-quants-one-order.patch has those sum in the tiled kernels'
+    # order); Q4_K_M mixes repacked Q4_K and tiled Q6_K
     peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
     model = random_model(peers, Shape(width=256, layers=2, ffn=512, kv_heads=2), tmp_path, weights=weights)
     printed = probe_fast_build("--tokens", "24", "--model", str(model))

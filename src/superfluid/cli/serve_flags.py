@@ -626,8 +626,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="exact: a token's logits do not depend on what shares its batch, so continuations, forks, "
         "replays and speculation equal the uncut run bit for bit; fast: also llama.cpp's repacked-weight and "
-        "tiled K-quant kernels, which prefill IQ models (IQ3_M, IQ2_M, ...) faster and give that up (Q4_0, "
-        "Q4_1, Q8_0, F16, K-quant and IQ4_XS models run kernels as fast either way). Explicit exact is refused "
+        "tiled K-quant kernels, which prefill IQ1_S and IQ1_M models faster and give that up (other models run "
+        "kernels as fast either way). Explicit exact is refused "
         "where llama-cpp-python was not compiled for it (default: exact where the library allows it, else fast)",
     )
     scheduling.add_argument(

@@ -28,7 +28,8 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
 - the tiled K-quant kernels: they sum an output block by block, each block's integer sums
   scaled by the weights' then the activations' scales; the one-token kernels sum in eight
   lanes and add them at the end. Our patch (scripts/patches/tiled-k-quants-one-order.patch),
-  under `GGML_CPU_TILED_EXACT=1`, has the one-token Q2_K, Q3_K, Q5_K, Q6_K and IQ4_XS kernels sum in
+  under `GGML_CPU_TILED_EXACT=1`, has the one-token Q2_K, Q3_K, Q5_K, Q6_K and IQ kernels (but IQ1_S and
+  IQ1_M's) sum in
   the tiled kernels' order on x86 with AVX2 and the tiled kernels take only those types (Q6_K
   is the rest of a Q4_K_M model, whose Q4_K weights are repacked); the library names
   `TILED_EXACT` in its system info.
@@ -36,8 +37,8 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   switch must be in the environment before the first decode.
 - arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
   so exact kernels on arm64 run on the wheel.
-`--kernels fast` runs the fast build with all of them, which makes the IQ types but IQ4_XS and
-IQ4_NL prefill faster and gives up exact continuations. A
+`--kernels fast` runs the fast build with all of them, which makes IQ1_S and IQ1_M weights
+prefill faster and gives up exact continuations. A
 worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
 exactly.
 
@@ -72,7 +73,7 @@ INVARIANT_SGEMM = "BATCH_INVARIANT_SGEMM"
 TILED_ENV = "GGML_CPU_TILED_MM"
 # named by a library whose tiled K-quant kernels, when TILED_EXACT_ENV is 1, take only the weight types whose
 # one-token kernel sums each output in their order
-# (Q2_K, Q3_K, Q5_K, Q6_K and IQ4_XS on x86: scripts/patches/tiled-k-quants-one-order.patch)
+# (Q2_K, Q3_K, Q5_K, Q6_K and the IQ types but IQ1_S and IQ1_M, on x86: scripts/patches/tiled-k-quants-one-order.patch)
 TILED_EXACT = "TILED_EXACT"
 TILED_EXACT_ENV = "GGML_CPU_TILED_EXACT"
 # named by a library whose flash attention sums each query in one order, whatever its batch, when
