@@ -85,10 +85,8 @@ FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
 REPACK_EXACT = "REPACK_EXACT"
 REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
-# named by a library that, when PAGES_ON_USE_ENV is 1, takes the KV's host memory as cells are written and
-# gives a stream's back when it empties, where llama.cpp writes every cell at start
-# (scripts/patches/kv-pages-on-use.patch)
-PAGES_ON_USE = "PAGES_ON_USE"
+# where 1, a library with scripts/patches/kv-pages-on-use.patch takes the KV's host memory as cells are written
+# and gives a stream's back when it empties (llama.cpp writes every cell at start); others ignore it
 PAGES_ON_USE_ENV = "GGML_PAGES_ON_USE"
 # backends that compute on a GPU, as system-info names them (`CUDA : ARCHS = 900 | ...`)
 GPU_BACKENDS = ("CUDA", "Metal", "Vulkan", "HIP", "ROCm", "SYCL", "OpenCL", "MUSA", "CANN")
