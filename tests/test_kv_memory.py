@@ -4,8 +4,8 @@ llama.cpp writes every cell of its KV cache when it creates it, so a daemon of f
 8,192 tokens would hold all of them from its first second, whatever its sessions hold. On the
 fast build (scripts/patches/kv-pages-on-use.patch, switched on for every worker) the cache's
 pages are taken as cells are written, and a slot whose entry leaves for host memory gives its
-pages back. Measured as the worker's anonymous memory (the model's mapped file aside), against
-what one token's KV costs in the model.
+pages back. Measured as what is resident of the KV buffer's mapping in the worker, against what
+one token's KV costs in the model.
 """
 
 from __future__ import annotations
@@ -27,10 +27,21 @@ LANES = 1  # five slots with the spares: the sixth session evicts a slot's entry
 PROMPT = " ".join(f"Entry {i} of the ledger reads {i * 37 % 1000} units." for i in range(120))
 
 
-def anonymous_bytes(pid: int) -> int:
-    """A process's anonymous memory (its heap and the KV cache; not the model's mapped file)."""
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    return next(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss_Anon:"))
+def kv_resident_bytes(pid: int, pool: int) -> int:
+    """What is resident of the worker's KV buffer: its one anonymous mapping of at least `pool` bytes.
+
+    The mapping alone, not the process's anonymous memory: an exported entry passes through the
+    worker's heap on its way to host memory, and the allocator keeps some of that as it likes."""
+    resident: list[int] = []
+    size = 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        field, _, value = line.partition(":")
+        if field == "Size":
+            size = int(value.split()[0]) * 1024
+        elif field == "Anonymous" and size >= pool:
+            resident.append(int(value.split()[0]) * 1024)
+    assert len(resident) == 1, f"one mapping of at least {pool >> 20} MiB holds the KV, not {len(resident)}"
+    return resident[0]
 
 
 def worker_of(daemon: DaemonProcess) -> int:
@@ -49,22 +60,22 @@ def test_kv_memory_grows_with_what_slots_hold_and_falls_when_an_entry_leaves(tmp
     daemon = DaemonProcess(tmp_path, max_context=WINDOW, max_batch=LANES).start()
     try:
         worker = worker_of(daemon)
-        started = anonymous_bytes(worker)
+        started = kv_resident_bytes(worker, pool)
         assert started < pool / 3, f"{started >> 20} MiB at start, for a KV of {pool >> 20} MiB"
         with daemon.client() as client:
             for entry in range(SPARE_SLOTS + LANES):  # one session per slot
                 session = new_session(client)
                 say(client, session, f"Ledger {entry}. {PROMPT}")
                 forced(client, session, 1)
-            full = anonymous_bytes(worker)
+            full = kv_resident_bytes(worker, pool)
             written = (SPARE_SLOTS + LANES) * prompt_tokens * token_bytes
-            assert full - started > 0.7 * written, f"{(full - started) >> 20} MiB more for {written >> 20} MiB of KV"
+            assert full - started > 0.9 * written, f"{(full - started) >> 20} MiB more for {written >> 20} MiB of KV"
             # a sixth, short session takes a slot whose long entry leaves for host memory
             session = new_session(client)
             say(client, session, "A short note.")
             forced(client, session, 1)
-            after = anonymous_bytes(worker)
+            after = kv_resident_bytes(worker, pool)
         released = prompt_tokens * token_bytes
-        assert full - after > 0.5 * released, f"{(full - after) >> 20} MiB back for an entry of {released >> 20} MiB"
+        assert full - after > 0.8 * released, f"{(full - after) >> 20} MiB back for an entry of {released >> 20} MiB"
     finally:
         daemon.stop()
