@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from superfluid.client import SocketClient
 from superfluid.engine.build import llama_cpp_environment
@@ -129,15 +130,21 @@ def batched_bench(
     streams: list[int],
     *flags: str,
     environment: dict[str, str] | None = None,
+    repeats: int = 1,
 ) -> list[dict]:
-    """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s;
-    `environment` is added to llama.cpp's defaults (`llama_cpp_environment`)."""
+    """llama-batched-bench's JSON lines: one per stream count, with speed_pp and speed_tg in tokens/s, each
+    the median of `repeats` runs in the one process (a short prompt's prefill takes a fraction of a second,
+    which one run measures within a few percent); `environment` is added to llama.cpp's defaults
+    (`llama_cpp_environment`)."""
     context = max(streams) * (prompt + tokens) + 64
-    args = [str(binary), "-m", str(model), "-c", str(context), "-npp", str(prompt), "-ntg", str(tokens)]
-    args += ["-npl", ",".join(map(str, streams)), "--output-format", "jsonl", *flags]
+    args = [str(binary), "-m", str(model), "-c", str(context), "-npp", ",".join([str(prompt)] * repeats)]
+    args += ["-ntg", str(tokens), "-npl", ",".join(map(str, streams)), "--output-format", "jsonl", *flags]
     environment = {**llama_cpp_environment(), **(environment or {})}
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800, env=environment)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not rows:
+    if done.returncode != 0 or len(rows) != repeats * len(streams):
         sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return rows
+    return [
+        {**same[0], **{key: float(np.median([row[key] for row in same])) for key in ("speed_pp", "speed_tg")}}
+        for same in ([row for row in rows if row["pl"] == n] for n in streams)
+    ]
