@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -144,7 +145,9 @@ def batched_bench(
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or len(rows) != repeats * len(streams):
         sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [
-        {**same[0], **{key: float(np.median([row[key] for row in same])) for key in ("speed_pp", "speed_tg")}}
-        for same in ([row for row in rows if row["pl"] == n] for n in streams)
-    ]
+    return [median_row([row for row in rows if row["pl"] == n]) for n in streams]
+
+
+def median_row(same: Sequence[dict]) -> dict:
+    """Rows of llama-batched-bench for one prompt and stream count as one: the first, with the median speeds."""
+    return {**same[0], **{key: float(np.median([row[key] for row in same])) for key in ("speed_pp", "speed_tg")}}

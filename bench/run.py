@@ -79,7 +79,7 @@ import load
 import numpy as np
 from agents import agent_figures
 from cluster import cluster_figures
-from peer import LlamaServer, Superfluid, batched_bench
+from peer import LlamaServer, Superfluid, batched_bench, median_row
 from random_model import Shape, random_model
 from record import RESULTS, SECTIONS, Result, median_round, save
 from spec import spec_figures
@@ -485,13 +485,7 @@ def engine_section(
                     f"decode {row['speed_tg']:6.1f} tok/s",
                     flush=True,
                 )
-    rows = {
-        name: [
-            {**same[0], **{key: float(np.median([r[key] for r in same])) for key in ("speed_pp", "speed_tg")}}
-            for same in zip(*turns, strict=True)
-        ]
-        for name, turns in measured.items()
-    }
+    rows = {name: [median_row(same) for same in zip(*turns, strict=True)] for name, turns in measured.items()}
     fastest = {
         n: max(
             r["speed_tg"]

@@ -53,10 +53,10 @@ def worker_of(daemon: DaemonProcess) -> int:
     return int(children[0])
 
 
-def say_long(client: SocketClient, number: int) -> None:
-    """A new session of the long prompt (its own first words), prefilled and one token drawn."""
+def prefilled(client: SocketClient, text: str) -> None:
+    """A new session of `text`, prefilled and one token drawn: its KV sits in a slot."""
     session = new_session(client)
-    say(client, session, f"Ledger {number}. {PROMPT}")
+    say(client, session, text)
     forced(client, session, 1)
 
 
@@ -75,16 +75,14 @@ def test_kv_memory_grows_with_what_slots_hold_and_falls_when_an_entry_leaves(tmp
         with daemon.client() as client:
             # every slot but one: with a slot free, the daemon keeps every entry where it is
             for number in range(SPARE_SLOTS + LANES - 1):
-                say_long(client, number)
+                prefilled(client, f"Ledger {number}. {PROMPT}")
             held = kv_resident_bytes(worker, pool)
             written = (SPARE_SLOTS + LANES - 1) * entry
             assert held - started > 0.9 * written, f"{(held - started) >> 20} MiB more for {written >> 20} MiB of KV"
             # one more long session takes the last slot, then a short one needs a slot: a long entry leaves for
             # host memory (at the short one's admission, or ahead of it while the daemon idles)
-            say_long(client, SPARE_SLOTS + LANES)
-            session = new_session(client)
-            say(client, session, "A short note.")
-            forced(client, session, 1)
+            prefilled(client, f"Ledger {SPARE_SLOTS + LANES}. {PROMPT}")
+            prefilled(client, "A short note.")
             deadline = time.monotonic() + 30
             while (after := kv_resident_bytes(worker, pool)) > held + 0.2 * entry and time.monotonic() < deadline:
                 time.sleep(0.2)
