@@ -15,16 +15,18 @@ from conftest import HttpDaemon
 
 pytestmark = pytest.mark.e2e
 
-# Four agents with prompts long enough that none finishes its prefill before every lane is taken:
+# Four agents with prompts long enough that none finishes its prefill before the chat is answered:
 # agent-class work prefills in steps of a second (`pace.STEP_BATCH_S`), which a chat without the QoS
-# header waits for.
-LANES, AGENT_WORDS = 4, 1600
+# header waits for. At 1,600 words the first agent's prompt (prefilled alone, about four seconds on
+# two cores) once finished 0.01 s before the chat's first token, the chat having been sent two seconds
+# into it; twice that leaves seconds to spare.
+LANES, AGENT_WORDS, WINDOW = 4, 3200, 4096
 WORDS = ["harbour", "lamp", "keeper", "storm", "ledger", "granite", "tide", "signal", "rope", "gull", "reef", "mast"]
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    proc = HttpDaemon(tmp_path_factory.mktemp("qos"), max_context=2048, max_batch=LANES).start()
+    proc = HttpDaemon(tmp_path_factory.mktemp("qos"), max_context=WINDOW, max_batch=LANES).start()
     yield proc
     proc.stop()
 
