@@ -7,6 +7,7 @@ claims, since the fake's next token is a function of the slot's whole content.
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -80,6 +81,47 @@ def test_a_prefix_shorter_than_a_copy_is_worth_is_prefilled() -> None:
     running = {first: np.asarray(engine.llama.slots[first], dtype=np.int32)}
     _, warm, tier = lane(tiers, engine, [*short, 2], running)
     assert (warm, tier) == (0, "cold")
+
+
+def test_a_lane_takes_over_the_entry_it_shares_a_prefix_with_when_that_keeps_the_lanes_together() -> None:
+    # llama.cpp decodes lanes on consecutive slots in one pass and splits the rest: with the entry to copy from
+    # in the one slot next to the running lane, the new lane takes that slot, and the entry goes to host memory
+    engine = FakeEngine(sequences=3)
+    tiers = tiers_of(engine, host_cache_bytes=1 << 20)
+    shared = list(range(100, 120))
+    running_seq, _, _ = lane(tiers, engine, [1, 2, 3])
+    running = {running_seq: np.asarray(engine.llama.slots[running_seq], dtype=np.int32)}
+    history = [*shared, *range(500, 540)]  # an earlier conversation: the shared prompt and its reply
+    entry_seq, _, _ = lane(tiers, engine, history, running)
+    tiers.keep(entry_seq, history)
+    assert abs(entry_seq - running_seq) == 1 and len(tiers.free) == 1 and abs(tiers.free[0] - running_seq) == 2
+    seq, warm, tier = lane(tiers, engine, [*shared, 7, 8, 9], running)
+    assert (seq, warm, tier) == (entry_seq, len(shared), "slot"), "the entry's slot, next to the running lane"
+    assert len(tiers.cache.host) == 1 and tiers.stats.exports == 1
+    tiers.drop(seq)
+    _, warm, tier = lane(tiers, engine, [*history, 9], running)
+    assert (warm, tier) == (len(history), "host"), "the whole earlier conversation comes back"
+
+
+def test_waves_of_requests_sharing_a_prompt_stay_on_one_run_of_slots() -> None:
+    # eight clients, each sending its next request when all eight replies are done (the soak's pattern): every
+    # wave's lanes copy the shared prompt from the last wave's entries and must still sit on consecutive slots
+    engine = FakeEngine(sequences=12)
+    tiers = tiers_of(engine, host_cache_bytes=1 << 30)
+    system = list(range(1000, 1030))
+    order = list(range(8))
+    for wave in range(30):
+        random.Random(wave).shuffle(order)
+        running: dict[int, np.ndarray] = {}
+        for client in order:
+            seq, _, _ = lane(tiers, engine, [*system, 2000 + client, 3000 + wave, 5000], running)
+            reply = [*engine.llama.slots[seq], *range(6000, 6040)]
+            prefill(engine, seq, reply, len(engine.llama.slots[seq]))
+            running[seq] = np.asarray(reply, dtype=np.int32)
+        assert max(running) - min(running) == len(running) - 1, f"wave {wave} on slots {sorted(running)}"
+        for seq, held in running.items():
+            tiers.keep(seq, list(held))
+        tiers.free_a_slot()
 
 
 def test_an_evicted_entry_comes_back_from_host_memory() -> None:
