@@ -22,8 +22,11 @@ STEP_URGENT_S = 0.12  # the same while interactive or completion work runs
 # Short steps cost batch work its prefill rate: in the daemon on 2 cores, the embedded model
 # prefilled eight agents' prompts at about 6 ms a token in the 17-24-token chunks of 0.12 s steps
 # and 5 ms in the 40-token chunks of 0.2 s steps. So short steps last only while such work runs,
-# and this long after (the next request of a chain, a tool call's answer).
-URGENT_GRACE_S = 5.0
+# and this long after (a tool call's quick answer). A later arrival interrupts the long step in
+# flight: it loses that step's work, not its own time. Eight agents with a chat behind them
+# (bench/run.py --quick's agents) had their first tokens at p50 7.3 s with 1 s here against
+# 7.4-7.6 s with 5 s and finished in 19 s against 20-21 s; the chat's first token took 0.08 s.
+URGENT_GRACE_S = 1.0
 # An interruptible step of batch work, in larger chunks: on the 0.7B bench model a 100-token chunk
 # prefills at 0.79 of the rate of 512-token chunks (the embedded model barely notices). A request in
 # the agent class (HTTP's default) does not interrupt it: a chat sent without the QoS header behind

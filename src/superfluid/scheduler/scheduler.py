@@ -15,9 +15,10 @@ in one transaction.
   completion job that finds every lane busy preempts the lowest-class lane, which keeps
   its KV cached and resumes later from where it stopped, nothing repeated or lost.
   While such a job prefills, no lower-class prefill runs beside it. Each step's prefill
-  is sized from the measured cost of a token to last about `STEP_TARGET_S` (and
-  `STEP_URGENT_S` for five minutes after interactive or completion work arrives), so an
-  arrival never waits long for the step in flight.
+  is sized from the measured cost of a token to last about `STEP_TARGET_S` (`STEP_URGENT_S`
+  while interactive or completion work runs and `URGENT_GRACE_S` after; `STEP_BATCH_S`, and
+  interrupted by such an arrival, on an engine that can stop a step), so an arrival never
+  waits long for the step in flight.
 - A short job (little prompt left to prefill) never waits behind long work: when every
   lane is busy it runs on one lane beyond `--max-batch` kept for short work, or, when that
   one is taken, on the lane of a job that still has a long prompt ahead of it (in its own
