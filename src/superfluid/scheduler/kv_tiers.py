@@ -110,10 +110,10 @@ class KVTiers:
         if seed is not None and not seed.take and starved:
             # the entry to copy from is the only one left to evict: take it over instead
             seed = Seed(seed.seq, seed.length, take=seed.seq in self.cache.entries)
-        if seed is not None and seed.take and self._runs_saved(seed.seq, busy) < 0 and seed.length >= MIN_COPY_TOKENS:
+        runs_saved = self._runs_saved(seed.seq, busy) if seed is not None else 0
+        if seed is not None and seed.take and runs_saved < 0 and seed.length >= MIN_COPY_TOKENS:
             seed = Seed(seed.seq, seed.length, take=False)  # copy it next to the running lanes instead
-        gathers = seed is not None and not seed.take and self._runs_saved(seed.seq, busy) > 0
-        if seed is not None and gathers and self._takeable(seed.seq, now):
+        elif seed is not None and not seed.take and runs_saved > 0 and self._takeable(seed.seq, now):
             # the entry to copy from holds the one slot that keeps the running lanes together: the lane takes it
             # over, and the rest of the entry goes where an evicted entry would (a decode of lanes split over
             # two runs of slots costs a third more: 8 lanes of the embedded model, 38 ms against 29)
