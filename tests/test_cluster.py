@@ -65,12 +65,16 @@ def daemons(tmp_path: Path, postgres: PostgresCluster) -> Iterator[list[ClusterD
         thread.start()
     for thread in threads:
         thread.join()
-    assert all(proc.alive() for proc in procs)
-    yield procs
-    for proc in procs:
-        if proc.proc is not None and proc.proc.poll() is None:
-            os.kill(proc.proc.pid, signal.SIGCONT)
-        proc.stop()
+    try:
+        # the daemons that did start are stopped whatever happens: left running, their workers would count
+        # as the next tests' own (they share this process group)
+        assert all(proc.alive() for proc in procs)
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.proc is not None and proc.proc.poll() is None:
+                os.kill(proc.proc.pid, signal.SIGCONT)
+            proc.stop()
 
 
 def started_session(client: SocketClient) -> int:
