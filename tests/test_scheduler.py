@@ -343,6 +343,39 @@ def test_a_short_job_never_waits_behind_busy_lanes_of_its_own_class() -> None:
         scheduler.stop()
 
 
+def test_a_batch_step_lasts_long_enough_for_a_full_chunk_within_its_bounds() -> None:
+    pace = pace_module.Pace()
+    cheap, dear = 0.5 * pace_module.STEP_BATCH_S, 2 * pace_module.STEP_BATCH_MAX_S
+    for cost, expected in (
+        (cheap / pace_module.BATCH_CHUNK, pace_module.STEP_BATCH_S),
+        (0.0075, pace_module.BATCH_CHUNK * 0.0075),
+        (dear / pace_module.BATCH_CHUNK, pace_module.STEP_BATCH_MAX_S),
+    ):
+        pace.token_cost = cost
+        assert pace.step_s(interruptible=True) == pytest.approx(expected)
+        assert pace.step_s(interruptible=False) == pace_module.STEP_TARGET_S
+    pace.urgent()
+    assert pace.step_s(interruptible=True) == pace_module.STEP_URGENT_S
+
+
+def test_a_short_prompt_is_admitted_before_long_ones_queued_ahead_of_it_in_its_class() -> None:
+    context = FakeEngine(sequences=1, delay=0.002, batch=64, window=4096)
+    scheduler = Scheduler(context, lanes=1, window=4096)
+    scheduler.start()
+    try:
+        _running, sink = started(scheduler, [5, 6, 7], 40)
+        while len(sink.out) < 3:
+            time.sleep(0.001)
+        # the one lane is busy decoding: both wait for it, the long prompt queued first
+        _long, long = started(scheduler, list(range(1000, 1600)), 2)
+        _short, short = started(scheduler, [8, 8, 8], 3)
+        assert short.done.wait(10) and long.done.wait(10)
+        assert short.when < long.when, "the short prompt waited for the long one queued before it"
+        assert short.out == alone([8, 8, 8], 3)
+    finally:
+        scheduler.stop()
+
+
 def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
     context = FakeEngine(sequences=6, delay=0.001, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=3, window=4096)

@@ -1,9 +1,9 @@
 """How much work a step takes on: the rates steps measure, and the prefill and decode runs sized from them.
 
 A step's prefill is sized from the measured cost of a prefilled token to last about
-`STEP_URGENT_S` while interactive or completion work runs (and a few seconds after), so it
-never waits long for the step in flight, and `STEP_BATCH_S` otherwise: long chunks prefill
-faster, and an interactive arrival interrupts such a step (`engine.interrupt`) rather than
+`STEP_URGENT_S` while interactive or completion work runs (and a second after), so it
+never waits long for the step in flight, and `STEP_BATCH_S` or more otherwise: long chunks
+prefill faster, and an interactive arrival interrupts such a step (`engine.interrupt`) rather than
 wait for it. An engine whose steps cannot be interrupted gets `STEP_TARGET_S`. A step that
 only decodes makes a run of decodes in one engine call when nobody waits.
 """
@@ -28,10 +28,17 @@ STEP_URGENT_S = 0.12  # the same while interactive or completion work runs
 # 7.4-7.6 s with 5 s and finished in 19 s against 20-21 s; the chat's first token took 0.08 s.
 URGENT_GRACE_S = 1.0
 # An interruptible step of batch work, in larger chunks: on the 0.7B bench model a 100-token chunk
-# prefills at 0.79 of the rate of 512-token chunks (the embedded model barely notices). A request in
-# the agent class (HTTP's default) does not interrupt it: a chat sent without the QoS header behind
-# eight agents waits for it, then for a short step of its own, and is to see its first token in 2 s.
+# prefills at 0.79 of the rate of 512-token chunks (the embedded model barely notices). So such a step
+# lasts at least `STEP_BATCH_S` and long enough for `BATCH_CHUNK` tokens, up to `STEP_BATCH_MAX_S`:
+# the embedded model prefills ~400 tokens a second beside eight decoding lanes, the 0.7B one ~100. Its
+# quick agents (bench/run.py) had their first tokens at p50 32.4 and 28.5 s against 32.0 and 32.7 with
+# 1 s steps, and finished in 73.6 and 70.9 s against 75.5 and 75.9. A
+# request in the agent class (HTTP's default) does not interrupt it: a chat sent without the QoS
+# header behind eight agents waits for it, then for a short step of its own, and is to see its first
+# token in 2 s.
 STEP_BATCH_S = 1.0
+BATCH_CHUNK = 192
+STEP_BATCH_MAX_S = 2.0
 MIN_PREFILL = 16
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
 # and this loop are paid once), as long as nobody waits for admission, up to this long: a
@@ -64,7 +71,9 @@ class Pace:
         """How long the next step's prefill may take, on an engine whose steps are `interruptible` or not."""
         if time.monotonic() < self.urgent_until:
             return STEP_URGENT_S
-        return STEP_BATCH_S if interruptible else STEP_TARGET_S
+        if not interruptible:
+            return STEP_TARGET_S
+        return min(STEP_BATCH_MAX_S, max(STEP_BATCH_S, BATCH_CHUNK * self.token_cost))
 
     def tokens_in(self, step_s: float) -> int:
         """Prompt tokens a step of `step_s` prefills."""
