@@ -27,12 +27,14 @@ STEP_URGENT_S = 0.12  # the same while interactive or completion work runs
 # (bench/run.py --quick's agents) had their first tokens at p50 7.3 s with 1 s here against
 # 7.4-7.6 s with 5 s and finished in 19 s against 20-21 s; the chat's first token took 0.08 s.
 URGENT_GRACE_S = 1.0
-# An interruptible step of batch work, in larger chunks: on the 0.7B bench model a 100-token chunk
-# prefills at 0.79 of the rate of 512-token chunks (the embedded model barely notices). So such a step
-# lasts at least `STEP_BATCH_S` and long enough for `BATCH_CHUNK` tokens, up to `STEP_BATCH_MAX_S`:
-# the embedded model prefills ~400 tokens a second beside eight decoding lanes, the 0.7B one ~100. Its
-# quick agents (bench/run.py) had their first tokens at p50 32.4 and 28.5 s against 32.0 and 32.7 with
-# 1 s steps, and finished in 73.6 and 70.9 s against 75.5 and 75.9. A
+# An interruptible step of batch work. The lanes decoding beside its prompt chunk run in a llama.cpp
+# micro-batch of their own, one more pass over the weights: on the 0.7B bench model a 192-token step
+# took 1.69 s alone, 1.78 with one lane decoding and 1.86 with seven, while the chunk's length costs
+# nothing (llama-batched-bench prefills that model at 102-107 tok/s in chunks of 96 to 512 tokens).
+# So such a step lasts at least `STEP_BATCH_S` and long enough for `BATCH_CHUNK` tokens, up to
+# `STEP_BATCH_MAX_S`: the embedded model prefills ~400 tokens a second beside eight decoding lanes,
+# the 0.7B one ~100. Its quick agents (bench/run.py) had their first tokens at p50 32.4 and 28.5 s
+# against 32.0 and 32.7 with 1 s steps, and finished in 73.6 and 70.9 s against 75.5 and 75.9. A
 # request in the agent class (HTTP's default) does not interrupt it: a chat sent without the QoS
 # header behind eight agents waits for it, then for a short step of its own, and is to see its first
 # token in 2 s.
