@@ -241,10 +241,25 @@ def chat_body(content: str, max_tokens: int, stream: bool) -> dict:
     }
 
 
+# the kernel hands out ports of its ephemeral range on its own (a client's source port, a bind to port 0): a
+# port taken from it and released could be handed out again before the server it was picked for binds it
+# (CI once saw a cluster daemon fail so, "Address already in use"); ports below the range are only ever taken
+# by a bind that names them
+EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 10000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing is bound to, from below the kernel's ephemeral range."""
+    ephemeral = int(EPHEMERAL_PORT_RANGE.read_text().split()[0]) if EPHEMERAL_PORT_RANGE.exists() else 32768
+    while True:
+        port = secrets.choice(range(LOWEST_PICKED_PORT, ephemeral))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class HttpDaemon(DaemonProcess):
