@@ -2,10 +2,11 @@
 
 A step's prefill is sized from the measured cost of a prefilled token to last about
 `STEP_URGENT_S` while interactive or completion work runs (and a second after), so it
-never waits long for the step in flight, and `STEP_BATCH_S` or more otherwise: long chunks
-prefill faster, and an interactive arrival interrupts such a step (`engine.interrupt`) rather than
-wait for it. An engine whose steps cannot be interrupted gets `STEP_TARGET_S`. A step that
-only decodes makes a run of decodes in one engine call when nobody waits.
+never waits long for the step in flight, and `STEP_BATCH_S` or more otherwise: a long step
+pays less often for the lanes decoding beside its prompt, and an interactive arrival
+interrupts it (`engine.interrupt`) rather than wait for it. An engine whose steps cannot be
+interrupted gets `STEP_TARGET_S`. A step that only decodes makes a run of decodes in one
+engine call when nobody waits.
 """
 
 from __future__ import annotations
