@@ -22,8 +22,9 @@ in one transaction.
 - A short job (little prompt left to prefill) never waits behind long work: when every
   lane is busy it runs on one lane beyond `--max-batch` kept for short work, or, when that
   one is taken, on the lane of a job that still has a long prompt ahead of it (in its own
-  class or below), preempted like any other (its KV kept). Within a step, prefill goes to
-  the shortest remaining prompts of the best class first.
+  class or below), preempted like any other (its KV kept). A short prompt is admitted before
+  long ones of its class queued ahead of it, and within a step, prefill goes to the shortest
+  remaining prompts of the best class first.
 - A tick ends as soon as a job has its first token, so it is committed and shown at once.
 - While a prompt of class agent or background prefills, lanes of those classes that
   already decode run only every `BATCH_DECODE_EVERY`-th step, so batch work gets its first
