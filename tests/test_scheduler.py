@@ -354,8 +354,12 @@ def test_a_batch_step_lasts_long_enough_for_a_full_chunk_within_its_bounds() -> 
         pace.token_cost = cost
         assert pace.step_s(interruptible=True) == pytest.approx(expected)
         assert pace.step_s(interruptible=False) == pace_module.STEP_TARGET_S
+        # however long, it is a batch step (interrupted by an interactive arrival); the others are not
+        assert pace.is_batch(pace.step_s(interruptible=True))
+        assert not pace.is_batch(pace.step_s(interruptible=False))
     pace.urgent()
     assert pace.step_s(interruptible=True) == pace_module.STEP_URGENT_S
+    assert not pace.is_batch(pace.step_s(interruptible=True))
 
 
 def test_a_short_prompt_is_admitted_before_long_ones_queued_ahead_of_it_in_its_class() -> None:

@@ -34,7 +34,7 @@ URGENT_GRACE_S = 1.0
 # nothing (llama-batched-bench prefills that model at 102-107 tok/s in chunks of 96 to 512 tokens).
 # So such a step lasts at least `STEP_BATCH_S` and long enough for `BATCH_CHUNK` tokens, up to
 # `STEP_BATCH_MAX_S`: the embedded model prefills ~400 tokens a second beside eight decoding lanes,
-# the 0.7B one ~100. Its quick agents (bench/run.py) had their first tokens at p50 32.4 and 28.5 s
+# the 0.7B one ~100. The 0.7B model's quick agents (bench/run.py) had their first tokens at p50 32.4 and 28.5 s
 # against 32.0 and 32.7 with 1 s steps, and finished in 73.6 and 70.9 s against 75.5 and 75.9. A
 # request in the agent class (HTTP's default) does not interrupt it: a chat sent without the QoS
 # header behind eight agents waits for it, then for a short step of its own, and is to see its first
@@ -77,6 +77,12 @@ class Pace:
         if not interruptible:
             return STEP_TARGET_S
         return min(STEP_BATCH_MAX_S, max(STEP_BATCH_S, BATCH_CHUNK * self.token_cost))
+
+    @staticmethod
+    def is_batch(step_s: float) -> bool:
+        """Whether a step of `step_s` is one of batch work: as long as `step_s` made it for an interruptible
+        engine with no interactive work about (the urgent and target steps are shorter)."""
+        return step_s >= STEP_BATCH_S
 
     def tokens_in(self, step_s: float) -> int:
         """Prompt tokens a step of `step_s` prefills."""

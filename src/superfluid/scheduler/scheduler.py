@@ -60,7 +60,7 @@ from ..protocol.schema import (
 )
 from .job import Job, Lane
 from .kv_tiers import KVTiers
-from .pace import STEP_BATCH_S, STEP_TARGET_S, Pace
+from .pace import STEP_TARGET_S, Pace
 from .park import Park
 from .prefix_cache import common_prefix
 from .speculate import SpecPolicy, SpecSettings
@@ -360,7 +360,8 @@ class Scheduler:
             with self._cv:
                 waiting = [job for job in self._queue if id(job) not in held]
                 # a short prompt goes before long ones of its class: while admissions wait on a pending copy,
-                # one a step, a chat queued behind eight agents waited for all eight (2.3-4.3 s) and goes first
+                # one a step, a chat queued behind eight agents waited for all eight (2.3-4.3 s) and goes first.
+                # Its prompt's length stands for what it has to prefill: this runs every step, a cache lookup not
                 job = min(
                     waiting, key=lambda j: (self._class_now(j), len(j.tokens) > SHORT_PREFILL, j.order), default=None
                 )
@@ -505,7 +506,8 @@ class Scheduler:
         if any(lane.job.qos <= QOS_COMPLETION for lane in self.lanes):
             self.pace.urgent()  # steps stay short while it runs
         step_s = self.pace.step_s(self.engine.interrupt is not None)
-        plan = self._plan(step_s)
+        batch_step = self.pace.is_batch(step_s)
+        plan = self._plan(step_s, batch_step)
         if not plan:
             if not finished:
                 time.sleep(0.005)  # throttled by the background rate: nothing runs this step
@@ -546,7 +548,7 @@ class Scheduler:
         while True:
             try:
                 started = time.perf_counter()
-                drawn = self._engine_step(step, step_s >= STEP_BATCH_S and not decode_only)
+                drawn = self._engine_step(step, batch_step and not decode_only)
                 took = time.perf_counter() - started
                 if not decode_only:
                     self.pace.prefilled(len(tokens), len(owners), step.first_decode_s)
@@ -634,8 +636,9 @@ class Scheduler:
             self._retire(lane, FINISH_NONE)
         return bool(done)
 
-    def _plan(self, step_s: float) -> list[tuple[Lane, list[int], int]]:
-        """Which tokens of which lanes go into this step's batch, its prefill sized to last `step_s`."""
+    def _plan(self, step_s: float, batch_step: bool) -> list[tuple[Lane, list[int], int]]:
+        """Which tokens of which lanes go into this step's batch, its prefill sized to last `step_s` (a step of
+        batch work where `batch_step`)."""
         lanes = self.lanes
         invariant = [lane for lane in lanes if lane.job.batch_invariant]
         if invariant:
@@ -645,7 +648,7 @@ class Scheduler:
         plan = []
         decoding = [lane for lane in runnable if lane.decoding]
         if (
-            step_s < STEP_BATCH_S
+            not batch_step
             and self.stats.steps % BATCH_DECODE_EVERY
             and any(not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable)
         ):
