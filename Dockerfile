@@ -32,10 +32,10 @@ ARG LLAMA_NATIVE=OFF
 ARG LLAMA_CPP_PYTHON_VERSION=0.3.36
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN case "$(uname -m)" in \
-      aarch64) flags="-U__ARM_FEATURE_MATMUL_INT8" ;; \
-      *) flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;; \
+      aarch64) arch="-DGGML_MACHINE_SUPPORTS_i8mm=OFF" ;; \
+      *) arch="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" ;; \
     esac \
- && CMAKE_ARGS="-DGGML_NATIVE=${LLAMA_NATIVE} -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF -DCMAKE_C_FLAGS='${flags}' -DCMAKE_CXX_FLAGS='${flags}'" \
+ && CMAKE_ARGS="-DGGML_NATIVE=${LLAMA_NATIVE} -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF ${arch}" \
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
       "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}" -w /wheels

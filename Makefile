@@ -14,15 +14,19 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # uncut one: no llamafile sgemm (taken from two tokens on), no repacked weights (gemm or gemv by
 # batch size), no AMX (it also faults in some virtual machines), and on arm64 no int8
 # matrix-multiply kernels (taken for even batch sizes).
+# On arm64 those go through llama.cpp's own probe of the CPU (GGML_MACHINE_SUPPORTS_i8mm=OFF makes
+# it add +noi8mm to -mcpu): a -U__ARM_FEATURE_MATMUL_INT8 among the C flags does not hold with
+# GCC, whose arm_neon.h defines the feature macros again from the -mcpu it is given.
 # superfluid checks the library it loads (src/superfluid/engine/build.py).
 LLAMA_VERSION := 0.3.36
+AMX_OFF := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 ifeq ($(shell uname -m),aarch64)
-ARCH_FLAGS := -U__ARM_FEATURE_MATMUL_INT8
+ARCH_CMAKE_ARGS := -DGGML_MACHINE_SUPPORTS_i8mm=OFF
 else
-ARCH_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+ARCH_CMAKE_ARGS := -DCMAKE_C_FLAGS='$(AMX_OFF)' -DCMAKE_CXX_FLAGS='$(AMX_OFF)'
 endif
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF \
-	-DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
+	$(ARCH_CMAKE_ARGS)
 
 # GPU builds (docs/deployment/gpu.md): `GPU=cuda` compiles llama.cpp for NVIDIA GPUs of the
 # architectures CUDA_ARCHS names (`native`: those present; or a list such as 90 or 80;90), `GPU=metal`
@@ -75,7 +79,7 @@ FAST_LIB := $(PEERS)/fast/bin/libllama.so
 ifeq ($(shell uname -m),aarch64)
 FAST_CMAKE_ARGS := -DGGML_NATIVE=ON
 else
-FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ARCH_FLAGS)' -DCMAKE_CXX_FLAGS='$(ARCH_FLAGS)'
+FAST_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(AMX_OFF)' -DCMAKE_CXX_FLAGS='$(AMX_OFF)'
 endif
 ifneq ($(GPU_BUILD),)
 FAST_CMAKE_ARGS += $(GPU_CMAKE_ARGS)

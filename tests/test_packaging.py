@@ -97,13 +97,13 @@ def test_the_makefile_the_dockerfile_and_the_refusal_compile_llama_cpp_with_the_
     (build,) = run_lines(dockerfile, "CMAKE_ARGS=")
     cmake_args = re.search(r'CMAKE_ARGS="([^"]+)"', build)
     assert cmake_args is not None, build
-    arches = {"aarch64": r"aarch64\) flags=\"([^\"]+)\"", "x86_64": r"\*\) flags=\"([^\"]+)\""}
+    arches = {"aarch64": r"aarch64\) arch=\"([^\"]+)\"", "x86_64": r"\*\) arch=\"([^\"]+)\""}
     for machine, pattern in arches.items():
-        flags = re.search(pattern, build)
-        assert flags is not None, (machine, build)
+        arch = re.search(pattern, build)
+        assert arch is not None, (machine, build)
         # the image's build differs only in GGML_NATIVE, a build argument (OFF by default: a portable baseline)
-        with_flags = cmake_args[1].replace("${flags}", flags[1]).replace("${LLAMA_NATIVE}", "ON")
-        assert with_flags == exact_cmake_args(machine), machine
+        with_arch = cmake_args[1].replace("${arch}", arch[1]).replace("${LLAMA_NATIVE}", "ON")
+        assert with_arch == exact_cmake_args(machine), machine
     assert ("ARG", "LLAMA_NATIVE=OFF") in instructions(dockerfile)
     version = LLAMA_PIN.split("==")[1]
     assert ("ARG", f"LLAMA_CPP_PYTHON_VERSION={version}") in instructions(dockerfile)

