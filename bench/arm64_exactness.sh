@@ -40,7 +40,7 @@ root=$dir/root  # an arm64 Python and the libraries it and llama.cpp link, from 
 if [ ! -x "$root/usr/bin/python3.11" ]; then
     echo "unpacking an arm64 Python into $root"
     dpkg --add-architecture arm64 && apt-get update -qq
-    mkdir -p "$dir/debs" && (cd "$dir/debs" && apt-get download -qq \
+    mkdir -p "$dir/debs" && chmod 755 "$dir" "$dir/debs" && (cd "$dir/debs" && apt-get download -qq \
         python3.11-minimal:arm64 libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 libc6:arm64 \
         libgcc-s1:arm64 libstdc++6:arm64 libgomp1:arm64 zlib1g:arm64 libexpat1:arm64 libffi8:arm64 \
         libssl3:arm64 libbz2-1.0:arm64 liblzma5:arm64 libsqlite3-0:arm64 libuuid1:arm64 libcrypt1:arm64)
@@ -48,7 +48,7 @@ if [ ! -x "$root/usr/bin/python3.11" ]; then
 fi
 site=$dir/site  # numpy and markupsafe as arm64 wheels; llama_cpp's Python and the pure packages from .venv
 if [ ! -d "$site/numpy" ]; then
-    versions=$("$python" -c 'from importlib.metadata import version as v; print(f"numpy=={v(\"numpy\")} markupsafe=={v(\"markupsafe\")}")')
+    versions=$("$python" -c 'from importlib.metadata import version; print(*(f"{n}=={version(n)}" for n in ("numpy", "markupsafe")))')
     # shellcheck disable=SC2086
     "$python" -m pip download -q --only-binary=:all: --no-deps --python-version 3.11 \
         --platform manylinux2014_aarch64 --platform manylinux_2_28_aarch64 $versions -d "$dir/wheels"
