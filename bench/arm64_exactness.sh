@@ -21,16 +21,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-wheel}
 shift || true
-case "$build" in
-    wheel) cmake_args=(-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF -DGGML_CPU_KLEIDIAI=OFF -DGGML_MACHINE_SUPPORTS_i8mm=OFF) ;;
-    fast) cmake_args=() ;;
-    *) echo "usage: $0 [wheel|fast] [bench/exactness.py arguments]" >&2; exit 2 ;;
-esac
 dir=${ARM64_DIR:-/tmp/superfluid-arm64}
 cpu=${ARM64_CPU:-neoverse-v1}
 python=$PWD/.venv/bin/python
 source_dir=$(ls -d "$HOME"/.cache/superfluid/peers/*/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
 [ -x "$python" ] && [ -d "$source_dir" ] || { echo "run make first: it builds .venv and unpacks llama.cpp" >&2; exit 1; }
+case "$build" in  # the wheel's flags on arm64 are the Makefile's (tests/test_packaging.py holds them equal)
+    wheel) read -ra cmake_args <<<"$("$python" -c 'from superfluid.engine.build import exact_cmake_args as a; print(a("aarch64"))')" ;;
+    fast) cmake_args=() ;;
+    *) echo "usage: $0 [wheel|fast] [bench/exactness.py arguments]" >&2; exit 2 ;;
+esac
 mkdir -p "$dir"
 
 if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null; then

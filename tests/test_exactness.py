@@ -22,7 +22,7 @@ import pytest
 from conftest import TEMPLATES, DaemonProcess, forced, generated_tokens, metric, new_session, say
 
 from superfluid.client import SocketClient
-from superfluid.engine.build import exactness_problems, system_info
+from superfluid.engine.build import exactness_problems, fast_build_exact, system_info
 from superfluid.protocol.schema import EventBody, GenParams, Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -47,27 +47,34 @@ def test_the_llama_cpp_library_is_built_for_exactness() -> None:
     )
 
 
-def probe_fast_build(*flags: str) -> str:
-    """bench/exactness.py as an exact worker runs: on the fast build, with flash attention held to one order by
-    the patched library, in a process of its own (a process loads one library): every path must print `same`."""
-    probe = [sys.executable, str(Path(exactness.__file__)), *flags]
+# the library an exact worker runs here: the fast build on x86; llama-cpp-python's own on arm64, where the fast
+# build keeps kernels that depend on the batch (its int8 matrix kernels, or a one-token sgemm of its own order)
+EXACT_LIBRARY = "fast" if fast_build_exact() else "wheel"
+
+
+def probe_exact_library(*flags: str) -> str:
+    """bench/exactness.py as an exact worker runs: on its library (on the fast build with flash attention held
+    to one order by the patched library), in a process of its own (a process loads one library): every path
+    must print `same`."""
+    probe = [sys.executable, str(Path(exactness.__file__)), "--library", EXACT_LIBRARY, *flags]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=600)
-    assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
-    assert "FA_ONE_ORDER = 1" in done.stdout and "attention: flash" in done.stdout, done.stdout + done.stderr
+    if EXACT_LIBRARY == "fast":
+        assert "BATCH_INVARIANT_SGEMM = 1" in done.stdout, done.stdout + done.stderr
+        assert "FA_ONE_ORDER = 1" in done.stdout and "attention: flash" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     paths = [line for line in done.stdout.splitlines() if line.split()[-1:] == ["same"]]
     assert len(paths) == len(exactness.PATHS), done.stdout
     return done.stdout
 
 
-def test_every_engine_path_computes_bit_identical_logits_on_the_fast_build() -> None:
-    probe_fast_build("--tokens", "40")
+def test_every_engine_path_computes_bit_identical_logits_on_the_exact_workers_library() -> None:
+    probe_exact_library("--tokens", "40")
 
 
-def test_long_prompts_compute_exactly_on_the_fast_builds_flash_attention() -> None:
+def test_long_prompts_compute_exactly_on_the_exact_workers_library() -> None:
     # llama.cpp's flash attention takes a tiled kernel from 64 queries on and splits one query's keys across
     # threads from 512 keys on; the patched library holds every query to the tiled kernel's order
-    probe_fast_build("--tokens", "12", "--context", "600", "--prompts", "2")
+    probe_exact_library("--tokens", "12", "--context", "600", "--prompts", "2")
 
 
 def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
@@ -80,7 +87,7 @@ def test_llama_cpps_own_flash_attention_order_depends_on_the_batch() -> None:
 
 
 @pytest.mark.parametrize("weights", ["q4_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", *IQ_TYPES, "q4_k_m"])
-def test_repacked_and_tiled_weights_compute_exactly_on_the_fast_build(tmp_path: Path, weights: str) -> None:
+def test_repacked_and_tiled_weights_compute_exactly_on_the_exact_workers_library(tmp_path: Path, weights: str) -> None:
     # exact kernels repack Q4_0 and Q4_K weights on x86 (scripts/patches/repack-exact-types.patch): llama.cpp's
     # gemm takes the rows of a batch four at a time and its gemv the rest, so the two must quantize and sum alike
     # (for Q4_K, with scripts/patches/repack-q4_K-one-order.patch; without it the batched path differs at once).
@@ -89,8 +96,9 @@ def test_repacked_and_tiled_weights_compute_exactly_on_the_fast_build(tmp_path: 
     # order); Q4_K_M mixes repacked Q4_K and tiled Q6_K
     peers = TEMPLATES.resolve().parents[5]  # <peers>/src/llama_cpp_python-*/vendor/llama.cpp/models/templates
     model = random_model(peers, Shape(width=256, layers=2, ffn=512, kv_heads=2), tmp_path, weights=weights)
-    printed = probe_fast_build("--tokens", "24", "--model", str(model))
-    assert "repacked weights: on" in printed and "tiled K-quant kernels: on" in printed
+    printed = probe_exact_library("--tokens", "24", "--model", str(model))
+    held = "on" if EXACT_LIBRARY == "fast" else "off"  # the wheel has neither, and its plain kernels ignore the batch
+    assert f"repacked weights: {held}" in printed and f"tiled K-quant kernels: {held}" in printed
 
 
 def test_every_engine_path_computes_bit_identical_logits_on_llama_cpp_pythons_library() -> None:

@@ -1,5 +1,5 @@
 """Which llama.cpp library and kernels a model runs on: the fast build (scripts/patches applied), exactly by
-default or with every kernel on `--kernels fast`, or llama-cpp-python's own library.
+default (on x86) or with every kernel on `--kernels fast`, or llama-cpp-python's own library.
 
 The worker's memory map names the library it loaded and its environment the kernels it was told to run
 (`superfluid.engine.build.worker_environment`), so these tests see the process itself, not a flag echoed
@@ -16,9 +16,19 @@ import llama_cpp
 import pytest
 from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 
-from superfluid.engine.build import EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV, TILED_ENV, TILED_EXACT_ENV, fast_library
+from superfluid.engine.build import (
+    EXACT_ENV,
+    FA_ORDER_ENV,
+    REPACK_EXACT_ENV,
+    TILED_ENV,
+    TILED_EXACT_ENV,
+    fast_build_exact,
+    fast_library,
+)
 
 pytestmark = pytest.mark.e2e
+
+WHEEL_LIBRARY = (Path(llama_cpp.__file__).parent / "lib").resolve()  # llama-cpp-python's own libllama
 
 
 def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
@@ -46,7 +56,7 @@ def serves_a_forced_length(daemon: DaemonProcess, tokens: int) -> None:
         forced(c, session, tokens)
 
 
-def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
+def test_a_daemon_runs_exact_kernels_by_default_on_the_library_that_keeps_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     library = fast_library()
@@ -56,11 +66,15 @@ def test_a_daemon_runs_exact_kernels_on_the_fast_build_by_default(
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact, flash", library.resolve())
-        # repacked weights and tiled kernels only for the types they compute exactly; flash attention in one order
+        if fast_build_exact():
+            assert (kernels, loaded) == ("exact, flash", library.resolve())
+        else:  # arm64: the fast build keeps kernels that depend on the batch, so the wheel runs exact kernels
+            assert (kernels, loaded) == ("exact, plain", WHEEL_LIBRARY)
+        # repacked weights and tiled kernels only for the types they compute exactly (the wheel's tiled kernels
+        # are not held to any type: off); flash attention in one order
         assert switches == {
             EXACT_ENV: "1",
-            TILED_ENV: "1",
+            TILED_ENV: "1" if fast_build_exact() else "0",
             TILED_EXACT_ENV: "1",
             FA_ORDER_ENV: "1",
             REPACK_EXACT_ENV: "1",
@@ -98,7 +112,7 @@ def test_without_the_fast_build_exact_kernels_run_on_the_library_llama_cpp_pytho
     try:
         assert "on exact kernels" in daemon.log.read_text()
         kernels, loaded, switches = loaded_libllama(daemon)
-        assert (kernels, loaded) == ("exact, plain", (Path(llama_cpp.__file__).parent / "lib").resolve())
+        assert (kernels, loaded) == ("exact, plain", WHEEL_LIBRARY)
         # the wheel's tiled kernels are not held to any type: off
         assert switches == {
             EXACT_ENV: "1",

@@ -165,8 +165,9 @@ def test_serve_on_a_terminal_shows_the_monitor(tmp_path: Path) -> None:
     ]
     with Terminal("serve") as term:
         term.start(command, exit_file=tmp_path / "exit")
-        screen = term.wait_for("lanes 0/2 busy", timeout=120)
-        assert "KV slots" in screen and "queue:" in screen and "first token" in screen, screen
+        # every panel at once: a capture can land while the first frame is still being drawn
+        panels = ("lanes 0/2 busy", "KV slots", "queue:", "first token")
+        term.wait_for(lambda screen: all(panel in screen for panel in panels), timeout=120)
         term.keys("q")
         term.wait_for("Stop the daemon?", timeout=10)
         term.keys("y")

@@ -166,7 +166,8 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
             else:
                 log.info(
                     "exact kernels run on llama-cpp-python's library here: the fast build keeps kernels that "
-                    "depend on the batch on this machine (arm64's int8 matrix kernels, or a GPU backend)"
+                    "depend on the batch on this machine (on arm64 its int8 matrix kernels or llamafile's sgemm, "
+                    "or a GPU backend)"
                 )
             return "exact", worker_environment(None, exact=True)
         if config.kernels == "exact":

@@ -249,8 +249,8 @@ def fast_library() -> Path | None:
 
 def fast_build_exact() -> bool:
     """Whether the fast build `make` installs can run exact kernels here: on x86, where our sgemm patch
-    applies (arm64's build keeps its int8 matrix kernels), and not on a GPU build (whose backend both
-    libraries have)."""
+    applies (arm64's build keeps its int8 matrix kernels, and its sgemm takes no one-token products), and not
+    on a GPU build (whose backend both libraries have)."""
     return platform.machine() in ("x86_64", "AMD64") and not gpu_backends()
 
 
