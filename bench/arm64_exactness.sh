@@ -88,25 +88,15 @@ if [ ! -e "$dir/$cpu-$build/bin/libllama.so" ]; then
         { tail -20 "$dir/$cpu-$build.build.log"; exit 1; }
 fi
 
-# the switches a worker on that library gets, set here: bench/exactness.py re-executes itself to set them,
-# which an emulated process cannot (no binfmt_misc)
-args=("$@")
+# the switches a worker on that library gets, set here (bench/exactness.py --switches): the probe re-executes
+# itself to set them, which an emulated process cannot (no binfmt_misc)
 if [ "$build" = wheel ]; then
     ln -sfn "$dir/$cpu-wheel/bin" "$site/llama_cpp/lib"
-    args=(--library wheel "${args[@]}")
-    library=
+    set -- --library wheel "$@"
 else
     rm -f "$site/llama_cpp/lib"
-    library=$dir/$cpu-fast/bin
-    export SUPERFLUID_FAST_LIB=$library
+    export SUPERFLUID_FAST_LIB=$dir/$cpu-fast/bin
 fi
-exact=1
-[[ " ${args[*]} " == *" --kernels fast "* ]] && exact=0
-environment=$("$python" -c 'import sys
-from pathlib import Path
-from superfluid.engine.build import worker_environment
-library, exact = sys.argv[1:]
-print(" ".join(f"{k}={v}" for k, v in worker_environment(Path(library) if library else None, exact == "1").items()))' \
-    "$library" "$exact")
+switches=$("$python" bench/exactness.py --switches "$@")
 # shellcheck disable=SC2086
-env $environment PYTHONPATH="$site:$PWD/src" "${emulate[@]}" "$root/usr/bin/python3.11" bench/exactness.py "${args[@]}"
+env $switches PYTHONPATH="$site:$PWD/src" "${emulate[@]}" "$root/usr/bin/python3.11" bench/exactness.py "$@"

@@ -328,9 +328,18 @@ def main() -> int:
         "--library", choices=("fast", "wheel"), default="fast", help="the llama.cpp library (default: fast)"
     )
     parser.add_argument("--kernels", choices=KERNELS, default="exact", help="as serve's --kernels (default: exact)")
+    parser.add_argument(
+        "--switches",
+        action="store_true",
+        help="print the library and kernel switches the probe runs with (NAME=value ...) and exit, for a caller "
+        "that runs it where it cannot re-execute itself with them (bench/arm64_exactness.sh, under an emulator)",
+    )
     args = parser.parse_args()
     environment = probe_environment(args.library, args.kernels)
     switches = (LIBRARY_ENV, *worker_environment(None, exact=True))
+    if args.switches:
+        print(" ".join(f"{name}={environment[name]}" for name in switches if name in environment))
+        return 0
     if any(os.environ.get(name) != environment.get(name) for name in switches):
         # the library is loaded when llama_cpp is imported, and its kernels read their switches once
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
