@@ -64,11 +64,11 @@ WHEELS := $(HOME)/.cache/superfluid/llama-cpp-python/$(WHEEL_TAG)
 
 # llama.cpp built once per CPU from the same source, with cmake: `fast` is llama.cpp as it
 # builds itself (every kernel this CPU has, AMX left out as above) with scripts/patches applied,
-# which make decodes of several positions cheaper and, on x86, have llamafile's sgemm take
-# one-token products too, so it ignores the batch. Its libllama.so is what workers load
-# (linked at .venv/llama-fast): on `--kernels exact`, the default, with the tiled kernels and
-# the repacking of weights held at run time to the types whose kernels ignore the batch; on
-# `--kernels fast` with all of them. `make bench` adds
+# which make decodes of several positions cheaper and have llamafile's sgemm take one-token
+# products too, so it ignores the batch (on arm64 at run time, with the int8 matrix kernels held
+# back). Its libllama.so is what workers load (linked at .venv/llama-fast): on `--kernels exact`,
+# the default, with the tiled kernels and the repacking of weights held at run time to the types
+# whose kernels ignore the batch; on `--kernels fast` with all of them. `make bench` adds
 # llama-server and llama-batched-bench to it, and llama-batched-bench built with the wheel's
 # flags above.
 # Our patches to that source (scripts/patches) are part of its name: a build from other

@@ -7,16 +7,18 @@
 # Emulation says nothing of speed, and is exact about results: integer and IEEE float arithmetic
 # come out bit for bit as the hardware computes them.
 #
-#   bench/arm64_exactness.sh                        # the wheel's library (exact kernels on arm64)
+#   bench/arm64_exactness.sh                        # the wheel's library (exact kernels without workers)
+#   bench/arm64_exactness.sh fast                   # the fast build, as an exact worker runs it
 #   bench/arm64_exactness.sh fast --kernels fast    # the fast build, as `--kernels fast` runs it
 #   bench/arm64_exactness.sh wheel --tokens 24 --prompts 2
 #   ARM64_CPU=neoverse-n1 bench/arm64_exactness.sh fast --kernels fast
 #
-# The first argument names the build (wheel or fast, the Makefile's LLAMA_CMAKE_ARGS or
-# FAST_CMAKE_ARGS for aarch64); the rest go to bench/exactness.py. Needs root (apt-get), the
-# checkout's .venv (`make`) and its patched llama.cpp source; works in $ARM64_DIR
-# (default /tmp/superfluid-arm64). The first run installs qemu-user and a cross compiler, and
-# unpacks an arm64 Python from Debian's packages: a few minutes.
+# The first argument names the build: wheel (the Makefile's LLAMA_CMAKE_ARGS for aarch64, on
+# llama-cpp-python's own source, as pip compiles it) or fast (its FAST_CMAKE_ARGS, on that source
+# with scripts/patches); the rest go to bench/exactness.py. Needs root (apt-get), the checkout's
+# .venv (`make`) and the llama.cpp source it unpacked; works in $ARM64_DIR (default
+# /tmp/superfluid-arm64). The first run installs qemu-user and a cross compiler, and unpacks an
+# arm64 Python from Debian's packages: a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-wheel}
@@ -24,7 +26,9 @@ shift || true
 dir=${ARM64_DIR:-/tmp/superfluid-arm64}
 cpu=${ARM64_CPU:-neoverse-v1}
 python=$PWD/.venv/bin/python
-source_dir=$(ls -d "$HOME"/.cache/superfluid/peers/*/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
+# the source `make` patched with scripts/patches as they are now (the Makefile's PATCHES_ID names its directory)
+patches_id=$(cat scripts/patches/*.patch | md5sum | cut -c1-6)
+source_dir=$(ls -d "$HOME"/.cache/superfluid/peers/*-"$patches_id"-*/src/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1)
 [ -x "$python" ] && [ -d "$source_dir" ] || { echo "run make first: it builds .venv and unpacks llama.cpp" >&2; exit 1; }
 case "$build" in  # the wheel's flags on arm64 are the Makefile's (tests/test_packaging.py holds them equal)
     wheel) read -ra cmake_args <<<"$("$python" -c 'from superfluid.engine.build import exact_cmake_args as a; print(a("aarch64"))')" ;;
@@ -32,6 +36,12 @@ case "$build" in  # the wheel's flags on arm64 are the Makefile's (tests/test_pa
     *) echo "usage: $0 [wheel|fast] [bench/exactness.py arguments]" >&2; exit 2 ;;
 esac
 mkdir -p "$dir"
+if [ "$build" = wheel ]; then  # pip compiles the wheel from llama-cpp-python's own source, without our patches
+    sdist=$(ls "$source_dir"/../../../llama_cpp_python-*.tar.gz)
+    [ -d "$dir/sdist" ] || { mkdir -p "$dir/sdist" && tar -xzf "$sdist" -C "$dir/sdist"; }
+    source_dir=$(ls -d "$dir"/sdist/llama_cpp_python-*/vendor/llama.cpp)
+    patches_id=unpatched
+fi
 
 if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null; then
     apt-get update -qq && apt-get install -y -qq qemu-user g++-aarch64-linux-gnu >/dev/null
@@ -77,25 +87,26 @@ case "$cpu" in  # qemu's model of the core: what llama.cpp's build probe finds, 
     *) echo "ARM64_CPU: neoverse-v1 or neoverse-n1, not $cpu" >&2; exit 2 ;;
 esac
 emulate=(qemu-aarch64 -cpu "$emulated" -L "$root")
-if [ ! -e "$dir/$cpu-$build/bin/libllama.so" ]; then
-    echo "compiling llama.cpp for arm64 ($build: ${cmake_args[*]:-the defaults of llama.cpp}) in $dir/$cpu-$build"
-    cmake -S "$source_dir" -B "$dir/$cpu-$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+target=$cpu-$build-$patches_id  # a build of other patches is never picked up again
+if [ ! -e "$dir/$target/bin/libllama.so" ]; then
+    echo "compiling llama.cpp for arm64 ($build: ${cmake_args[*]:-the defaults of llama.cpp}) in $dir/$target"
+    cmake -S "$source_dir" -B "$dir/$target" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_OPENSSL=OFF -DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64 \
         -DCMAKE_C_COMPILER="$dir/native-gcc" -DCMAKE_CXX_COMPILER="$dir/native-g++" \
         -DCMAKE_CROSSCOMPILING_EMULATOR="$(IFS=';'; echo "${emulate[*]}")" -DGGML_NATIVE=ON "${cmake_args[@]}" \
-        >"$dir/$cpu-$build.cmake.log" 2>&1 || { tail -20 "$dir/$cpu-$build.cmake.log"; exit 1; }
-    cmake --build "$dir/$cpu-$build" -j "$(nproc)" --target llama >"$dir/$cpu-$build.build.log" 2>&1 ||
-        { tail -20 "$dir/$cpu-$build.build.log"; exit 1; }
+        >"$dir/$target.cmake.log" 2>&1 || { tail -20 "$dir/$target.cmake.log"; exit 1; }
+    cmake --build "$dir/$target" -j "$(nproc)" --target llama >"$dir/$target.build.log" 2>&1 ||
+        { tail -20 "$dir/$target.build.log"; exit 1; }
 fi
 
 # the switches a worker on that library gets, set here (bench/exactness.py --switches): the probe re-executes
 # itself to set them, which an emulated process cannot (no binfmt_misc)
 if [ "$build" = wheel ]; then
-    ln -sfn "$dir/$cpu-wheel/bin" "$site/llama_cpp/lib"
+    ln -sfn "$dir/$target/bin" "$site/llama_cpp/lib"
     set -- --library wheel "$@"
 else
     rm -f "$site/llama_cpp/lib"
-    export SUPERFLUID_FAST_LIB=$dir/$cpu-fast/bin
+    export SUPERFLUID_FAST_LIB=$dir/$target/bin
 fi
 switches=$("$python" bench/exactness.py --switches "$@")
 # shellcheck disable=SC2086

@@ -1,5 +1,5 @@
 """Which llama.cpp library and kernels a model runs on: the fast build (scripts/patches applied), exactly by
-default (on x86) or with every kernel on `--kernels fast`, or llama-cpp-python's own library.
+default (on x86 and arm64) or with every kernel on `--kernels fast`, or llama-cpp-python's own library.
 
 The worker's memory map names the library it loaded and its environment the kernels it was told to run
 (`superfluid.engine.build.worker_environment`), so these tests see the process itself, not a flag echoed
@@ -19,6 +19,7 @@ from conftest import DaemonProcess, HttpDaemon, forced, new_session, say
 from superfluid.engine.build import (
     EXACT_ENV,
     FA_ORDER_ENV,
+    MATMUL_ORDER_ENV,
     REPACK_EXACT_ENV,
     TILED_ENV,
     TILED_EXACT_ENV,
@@ -42,7 +43,7 @@ def loaded_libllama(daemon: HttpDaemon) -> tuple[str, Path, dict[str, str]]:
     variables = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
     switches = {
         name: variables.get(name, "")
-        for name in (EXACT_ENV, TILED_ENV, TILED_EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV)
+        for name in (EXACT_ENV, TILED_ENV, TILED_EXACT_ENV, FA_ORDER_ENV, REPACK_EXACT_ENV, MATMUL_ORDER_ENV)
     }
     reported = f"{entry['runtime']['kernels']}, {entry['runtime']['attention']}"
     return reported, paths.pop().parent.resolve(), switches
@@ -68,7 +69,7 @@ def test_a_daemon_runs_exact_kernels_by_default_on_the_library_that_keeps_them(
         kernels, loaded, switches = loaded_libllama(daemon)
         if fast_build_exact():
             expected, tiled = ("exact, flash", library.resolve()), "1"
-        else:  # arm64: the fast build keeps kernels that depend on the batch, so the wheel runs exact kernels
+        else:  # a CPU our patches do not cover (neither x86 nor arm64): the wheel runs exact kernels
             expected, tiled = ("exact, plain", WHEEL_LIBRARY), "0"
         assert (kernels, loaded) == expected
         # repacked weights and tiled kernels only for the types they compute exactly (the wheel's tiled kernels
@@ -79,6 +80,7 @@ def test_a_daemon_runs_exact_kernels_by_default_on_the_library_that_keeps_them(
             TILED_EXACT_ENV: "1",
             FA_ORDER_ENV: "1",
             REPACK_EXACT_ENV: "1",
+            MATMUL_ORDER_ENV: "1",
         }
         serves_a_forced_length(daemon, 24)
     finally:
@@ -99,6 +101,7 @@ def test_kernels_fast_runs_the_fast_build_with_every_kernel(tmp_path: Path) -> N
             TILED_EXACT_ENV: "0",
             FA_ORDER_ENV: "0",
             REPACK_EXACT_ENV: "0",
+            MATMUL_ORDER_ENV: "0",
         }
         serves_a_forced_length(daemon, 24)
     finally:
@@ -121,6 +124,7 @@ def test_without_the_fast_build_exact_kernels_run_on_the_library_llama_cpp_pytho
             TILED_EXACT_ENV: "1",
             FA_ORDER_ENV: "1",
             REPACK_EXACT_ENV: "1",
+            MATMUL_ORDER_ENV: "1",
         }
     finally:
         daemon.stop()

@@ -30,7 +30,8 @@ import superfluid
 from superfluid.cli.main import build_parser
 from superfluid.cli.serve_flags import serve_config
 from superfluid.config import ServeConfig
-from superfluid.engine.build import amx_compiled, exact_cmake_args, exact_refusal
+from superfluid.engine import build
+from superfluid.engine.build import amx_compiled, exact_cmake_args, exact_refusal, exactness_problems
 from superfluid.model import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,16 @@ DEFAULT_BUILD = (
 )
 # the Dockerfile's build (GGML_NATIVE=OFF with the exact flags), as it describes itself
 IMAGE_BUILD = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | OPENMP = 1 |"
+# the fast build on arm64 as an exact worker loads it (GGML_CPU_MATMUL_ONE_ORDER=1), printed under qemu
+# (bench/arm64_exactness.sh): a Neoverse N1, with llamafile's sgemm; a Neoverse V1, with SVE and int8 matrix kernels
+ARM64_N1_HELD = (
+    "CPU : PAGES_ON_USE = 1 | NEON = 1 | ARM_FMA = 1 | FP16_VA = 1 | DOTPROD = 1 | LLAMAFILE = 1 | "
+    "BATCH_INVARIANT_SGEMM = 1 | FA_ONE_ORDER = 1 | TILED_EXACT = 1 | OPENMP = 1 | REPACK = 1 | REPACK_EXACT = 1 |"
+)
+ARM64_V1_HELD = (
+    "CPU : PAGES_ON_USE = 1 | NEON = 1 | ARM_FMA = 1 | FP16_VA = 1 | SVE = 1 | DOTPROD = 1 | SVE_CNT = 32 | "
+    "FA_ONE_ORDER = 1 | TILED_EXACT = 1 | OPENMP = 1 | REPACK = 1 | REPACK_EXACT = 1 |"
+)
 
 
 def make_variable(name: str) -> str:
@@ -141,6 +152,24 @@ def test_kernels_exact_with_tiled_kernels_on_is_refused_unless_the_library_holds
     monkeypatch.setenv("GGML_CPU_TILED_EXACT", "1")
     assert exact_refusal(held) is None
     assert exact_refusal(IMAGE_BUILD) == off, "a library without the patch sums K-quants otherwise below eight rows"
+
+
+def test_the_arm64_fast_build_runs_exact_kernels_only_with_its_matrix_kernels_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # scripts/patches/widths-one-order-arm64.patch: without GGML_CPU_MATMUL_ONE_ORDER=1 the same library names its
+    # int8 matrix kernels and an sgemm that leaves narrow products to ggml, and an exact worker refuses to start
+    monkeypatch.setenv("GGML_CPU_TILED_EXACT", "1")
+    assert exactness_problems(ARM64_N1_HELD) == [] and exactness_problems(ARM64_V1_HELD) == []
+    unheld_n1 = ARM64_N1_HELD.replace("BATCH_INVARIANT_SGEMM = 1 | ", "")
+    unheld_v1 = ARM64_V1_HELD.replace("SVE = 1 |", "MATMUL_INT8 = 1 | SVE = 1 |")
+    assert exactness_problems(unheld_n1) == ["LLAMAFILE kernels are compiled in"]
+    assert exactness_problems(unheld_v1) == ["MATMUL_INT8 kernels are compiled in"]
+    assert build.worker_environment(None, exact=True)[build.MATMUL_ORDER_ENV] == "1"
+    assert build.worker_environment(None, exact=False)[build.MATMUL_ORDER_ENV] == "0"
+    for machine, fast_runs_exact in [("aarch64", True), ("x86_64", True), ("ppc64le", False)]:
+        monkeypatch.setattr(build.platform, "machine", lambda machine=machine: machine)
+        assert build.fast_build_exact() == fast_runs_exact, machine
 
 
 def test_a_default_build_is_told_by_its_amx_kernels() -> None:

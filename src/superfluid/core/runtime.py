@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -165,9 +166,8 @@ def kernels_for(config: ServeConfig) -> tuple[str, dict[str, str] | None]:
                 log.warning(NO_FAST_BUILD)
             else:
                 log.info(
-                    "exact kernels run on llama-cpp-python's library here: the fast build keeps kernels that "
-                    "depend on the batch on this machine (on arm64 its int8 matrix kernels or llamafile's sgemm, "
-                    "or a GPU backend)"
+                    "exact kernels run on llama-cpp-python's library here: our patches hold the fast build's "
+                    f"kernels to one order on x86 and arm64, and this is {platform.machine()}"
                 )
             return "exact", worker_environment(None, exact=True)
         if config.kernels == "exact":

@@ -16,7 +16,10 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
 `--kernels exact` (the default wherever the library allows it) keeps them all out:
 - llamafile's sgemm: our patch (scripts/patches/sgemm-one-column.patch) has it take one-token
   products too on x86, so every token goes through the same kernel; the library then names
-  `BATCH_INVARIANT_SGEMM` in its system info. The wheel is compiled without sgemm instead.
+  `BATCH_INVARIANT_SGEMM` in its system info. On arm64 it leaves products narrower than two, four
+  (F32) or eight (F16) tokens to ggml's kernels, which sum in another order; under
+  `GGML_CPU_MATMUL_ONE_ORDER=1` it takes every width (scripts/patches/widths-one-order-arm64.patch)
+  and the library names `BATCH_INVARIANT_SGEMM` then. The wheel is compiled without sgemm instead.
 - repacked weights, AMX and arm64's KleidiAI: llama.cpp runs them only on weights it moves to
   its extra buffer types. They speed up Q4_0, Q4_K and IQ4_NL weights; Q4_1, Q8_0 and F16 ones
   never take them. On x86 the repacked Q4_0 and IQ4_NL kernels sum each output as the one-token
@@ -35,9 +38,12 @@ logits that differ in the last bits, and greedy text flips wherever two logits a
   `TILED_EXACT` in its system info.
   On a library without it (the wheel), they are off through `GGML_CPU_TILED_MM=0`. Either
   switch must be in the environment before the first decode.
-- arm64's int8 matrix-multiply kernels: compiled out of the wheel (llama.cpp's build is told the CPU
-  lacks them, `GGML_MACHINE_SUPPORTS_i8mm=OFF`); the fast build keeps them, so exact kernels on arm64
-  run on the wheel (`bench/arm64_exactness.sh` checks both under emulation).
+- arm64's int8 matrix-multiply kernels (two rows by two tokens, so a batch's last odd token takes the
+  one-row kernel): compiled out of the wheel (llama.cpp's build is told the CPU lacks them,
+  `GGML_MACHINE_SUPPORTS_i8mm=OFF`); the fast build keeps them for `--kernels fast` and, under
+  `GGML_CPU_MATMUL_ONE_ORDER=1`, takes the one-row kernel for every product and leaves `MATMUL_INT8`
+  out of its system info (the same patch). `bench/arm64_exactness.sh` checks both builds under
+  emulation.
 `--kernels fast` runs the fast build with all of them, which makes IQ1_S and IQ1_M weights
 prefill faster and gives up exact continuations. A
 worker learns which from `SUPERFLUID_EXACT` in its environment; every other process computes
@@ -85,6 +91,9 @@ FA_ORDER_ENV = "GGML_CPU_FA_ONE_ORDER"
 # ignore the batch (Q4_0, IQ4_NL and Q4_K on x86: scripts/patches/repack-exact-types.patch)
 REPACK_EXACT = "REPACK_EXACT"
 REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
+# where 1, an arm64 library with scripts/patches/widths-one-order-arm64.patch runs no int8 matrix-multiply pairs and
+# has llamafile's sgemm take products of every width (it then names BATCH_INVARIANT_SGEMM and no MATMUL_INT8)
+MATMUL_ORDER_ENV = "GGML_CPU_MATMUL_ONE_ORDER"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
 # where 1, a library with scripts/patches/kv-pages-on-use.patch takes the KV's host memory as cells are written
 # and gives a stream's back when it empties (llama.cpp writes every cell at start); others ignore it
@@ -248,10 +257,10 @@ def fast_library() -> Path | None:
 
 
 def fast_build_exact() -> bool:
-    """Whether the fast build `make` installs can run exact kernels here: on x86, where our sgemm patch
-    applies (arm64's build keeps its int8 matrix kernels, and its sgemm takes no one-token products), and not
-    on a GPU build (whose backend both libraries have)."""
-    return platform.machine() in ("x86_64", "AMD64") and not gpu_backends()
+    """Whether the fast build `make` installs can run exact kernels here: on x86 and arm64, where our patches
+    hold its kernels to one order (on other CPUs llamafile's sgemm takes no one-token products), and not on a
+    GPU build (whose backend both libraries have)."""
+    return platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") and not gpu_backends()
 
 
 def flash_attention_on(library: Path | None) -> bool:
@@ -280,6 +289,7 @@ def worker_environment(library: Path | None, exact: bool) -> dict[str, str]:
         EXACT_ENV: switch,
         FA_ORDER_ENV: switch,
         REPACK_EXACT_ENV: switch,
+        MATMUL_ORDER_ENV: switch,
         PAGES_ON_USE_ENV: "1",
     }
     return environment if library is None else {LIBRARY_ENV: str(library), **environment}
