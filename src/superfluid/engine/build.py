@@ -95,6 +95,9 @@ REPACK_EXACT_ENV = "GGML_CPU_REPACK_EXACT"
 # has llamafile's sgemm take products of every width (it then names BATCH_INVARIANT_SGEMM and no MATMUL_INT8)
 MATMUL_ORDER_ENV = "GGML_CPU_MATMUL_ONE_ORDER"
 EXACT_ENV = "SUPERFLUID_EXACT"  # "0" in a worker on --kernels fast
+# platform.machine() on the CPUs our patches hold to one order (Linux and macOS names; Windows says AMD64)
+X86_MACHINES = ("x86_64", "AMD64")
+ARM64_MACHINES = ("aarch64", "arm64")
 # where 1, a library with scripts/patches/kv-pages-on-use.patch takes the KV's host memory as cells are written
 # and gives a stream's back when it empties (llama.cpp writes every cell at start); others ignore it
 PAGES_ON_USE_ENV = "GGML_PAGES_ON_USE"
@@ -206,7 +209,7 @@ def exactness_problems(info: str | None = None) -> list[str]:
 def exact_cmake_args(machine: str | None = None) -> str:
     """The CMAKE_ARGS that compile llama-cpp-python without the batch-dependent kernels, for this CPU
     (the Makefile's LLAMA_CMAKE_ARGS; the Dockerfile's, but for a portable baseline)."""
-    if (machine or platform.machine()) in ("aarch64", "arm64"):
+    if (machine or platform.machine()) in ARM64_MACHINES:
         # llama.cpp's own probe of the CPU then adds +noi8mm to -mcpu; a -U__ARM_FEATURE_MATMUL_INT8 among
         # the C flags would not hold with GCC, whose arm_neon.h defines the macro again from the -mcpu
         arch = "-DGGML_MACHINE_SUPPORTS_i8mm=OFF"
@@ -260,7 +263,7 @@ def fast_build_exact() -> bool:
     """Whether the fast build `make` installs can run exact kernels here: on x86 and arm64, where our patches
     hold its kernels to one order (on other CPUs llamafile's sgemm takes no one-token products), and not on a
     GPU build (whose backend both libraries have)."""
-    return platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") and not gpu_backends()
+    return platform.machine() in X86_MACHINES + ARM64_MACHINES and not gpu_backends()
 
 
 def flash_attention_on(library: Path | None) -> bool:
