@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superfluid.engine.sampling import heaviest, sample, splitmix64, uniform, weights
+from superfluid.engine.sampling import BucketedRow, heaviest, sample, splitmix64, uniform, weights
 from superfluid.protocol.schema import GenParams
 
 
@@ -21,6 +22,16 @@ def test_splitmix64_known_values() -> None:
 def test_greedy_takes_the_lowest_id_on_a_tie() -> None:
     logits = np.array([0.1, 3.0, 3.0, -1.0], dtype=np.float32)
     assert sample(logits, GenParams(0.0, 1.0, 0.0, 0, 0), 0) == 1
+
+
+def cut_and_draw(w: np.ndarray, p: GenParams, position: int) -> tuple[int, float | None, float, float]:
+    """What `sample` hands `BucketedRow.draw`: the top-k/min-p limit, the top-p mass, the row's mass and the draw."""
+    total = float(w.sum(dtype=np.float64))
+    limit = p.top_k if 0 < p.top_k < len(w) else len(w)
+    if p.min_p > 0:
+        limit = min(limit, int(np.count_nonzero(w >= np.float32(p.min_p))))
+    top_p = p.top_p * total if 0 < p.top_p < 1 else None
+    return limit, top_p, total, uniform(p.seed, position)
 
 
 def reference(logits: np.ndarray, p: GenParams, position: int) -> int:
@@ -99,3 +110,35 @@ def test_the_heaviest_tokens_of_a_peaked_row_are_those_a_full_sort_finds() -> No
     everything = sorted(range(len(w)), key=lambda i: (-w[i], i))
     for m in (1, 5, 40, 64, 512):
         assert heaviest(w, m).tolist() == everything[:m]
+
+
+@pytest.mark.parametrize(
+    ("spread", "params"),
+    [
+        (0.5, GenParams(0.7, 0.95, 0.0, 0, 11)),  # a random model's row: top-p keeps most of the vocabulary
+        (0.5, GenParams(1.0, 1.0, 0.0, 0, 12)),  # no cut: the draw walks the whole row
+        (1.0, GenParams(0.7, 0.9, 0.05, 0, 13)),  # min-p and top-p
+        (1.0, GenParams(1.0, 0.95, 0.0, 5000, 14)),  # top-k far beyond the first look
+        (2.0, GenParams(1.3, 1.0, 0.0, 20000, 15)),  # top-k alone
+    ],
+)
+def test_a_flat_row_draws_from_its_buckets_what_the_literal_rules_draw(spread: float, params: GenParams) -> None:
+    rng = np.random.default_rng(int(spread * 10) + params.seed)
+    logits = rng.normal(0, spread, 49152).astype(np.float32)
+    logits[rng.choice(49152, 2000, replace=False)] = np.round(logits[:2000], 1)  # ties inside buckets
+    w = weights(logits, params.temperature)
+    for position in range(4):
+        drawn = BucketedRow(w).draw(*cut_and_draw(w, params, position))
+        assert drawn is not None  # every weight it sums is heavy enough to be summed exactly
+        assert drawn == sample(logits, params, position) == reference(logits, params, position)
+
+
+def test_a_cut_among_weights_too_light_to_sum_exactly_sorts_the_row() -> None:
+    # one likely token and a tail 20 below it: top-p reaches into weights of e**-20, whose sums round
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(0, 1, 49152) - 20).astype(np.float32)
+    logits[7] = 0.0
+    params = GenParams(1.0, 0.9999999, 0.0, 0, 21)
+    w = weights(logits, params.temperature)
+    assert BucketedRow(w).draw(*cut_and_draw(w, params, 0)) is None
+    assert [sample(logits, params, p) for p in range(3)] == [reference(logits, params, p) for p in range(3)]

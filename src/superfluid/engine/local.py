@@ -28,7 +28,7 @@ from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Draf
 from .grammar import Grammar
 from .interface import DeviceReport, Draw, EngineError, KVFull, Step, StepInterrupted
 from .llama import EmbeddingContext, LlamaContext
-from .sampling import sample
+from .sampling import keep_heap_slack, sample
 from .shaping import Shaper, Shaping, log_softmax_row
 
 T = TypeVar("T")
@@ -38,6 +38,7 @@ class LocalEngine:
     """llama.cpp in this process: a context, and the grammars, shapings and drafters of the lanes that have one."""
 
     def __init__(self, context: LlamaContext) -> None:
+        keep_heap_slack()  # the rows it samples allocate the same temporaries at every token
         self.context = context
         self.shape = context.shape
         self.interrupt = context.interrupt
