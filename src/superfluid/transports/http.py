@@ -26,6 +26,8 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Send
+from starlette.types import Scope as ASGIScope
 
 from ..api import (
     anthropic,
@@ -88,6 +90,78 @@ def _host_of(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+class Guard:
+    """What every request to the main port passes before its route: an `Origin` of another site (unless
+    `--cors-origin` lists it), a `Host` that is not a loopback name on a loopback listener, a body over
+    `BODY_LIMIT` and, with `--shed-when-busy`, a request while every lane is busy, are refused; a request
+    that may need a session another daemon serves goes there when the route finds it elsewhere.
+
+    It is plain ASGI: a streamed reply's chunks go straight on to the server (Starlette's function
+    middleware passed each one through a task and a memory stream of its own)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        daemon: Daemon,
+        loopback: bool,
+        policy: HttpPolicy,
+        cors: CorsOrigins | None,
+        forwarder: Forwarder | None,
+    ) -> None:
+        self.app = app
+        self.daemon, self.loopback, self.policy, self.cors, self.forwarder = daemon, loopback, policy, cors, forwarder
+
+    def _refusal(self, request: Request) -> Response | None:
+        def refuse(message: str, status: int, code: str) -> Response:
+            if anthropic_errors.is_anthropic(request.url.path):
+                return anthropic.error(message, status)
+            return openai.error(message, status, code)
+
+        origin = request.headers.get("origin")
+        if origin and not _loopback_name(_host_of(origin)) and not (self.cors and self.cors.allows(origin)):
+            return refuse(f"origin {origin} is not this machine", 403, "origin_refused")
+        host = request.headers.get("host", "")
+        if self.loopback and host and not _loopback_name(_host_of(host)):
+            return refuse(f"host {host} is not a loopback name", 403, "host_refused")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > BODY_LIMIT:
+            return refuse(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
+        shed = self.policy.shed_when_busy
+        if shed and request.method == "POST" and request.url.path in SHED_ROUTES and _busy(self.daemon):
+            refused = refuse("every lane is busy: try again, or another daemon", shed, "busy")
+            refused.headers["Retry-After"] = "1"
+            return refused
+        return None
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        refused = self._refusal(request)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        if self.forwarder is None or request.url.path not in FORWARDED_ROUTES or forwarded(request):
+            await self.app(scope, receive, send)
+            return
+        body = await request.body()  # kept for the owner; the route reads it again from `replayed`
+        scope.setdefault("state", {})[FORWARD_STATE] = True
+        read = False
+
+        async def replayed() -> Message:
+            nonlocal read
+            if read:
+                return await receive()
+            read = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            await self.app(scope, replayed, send)
+        except SessionElsewhere as e:  # raised before the route answered anything
+            await (await self.forwarder.send(request, body, e.api))(scope, receive, send)
+
+
 def create_app(
     daemon: Daemon,
     loopback: bool,
@@ -102,35 +176,7 @@ def create_app(
     sent to `page`; with a `forwarder`, a request for a session another daemon serves answered by it."""
     app = FastAPI(title="superfluid", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        origin = request.headers.get("origin")
-
-        def refuse(message: str, status: int, code: str) -> Response:
-            if anthropic_errors.is_anthropic(request.url.path):
-                return anthropic.error(message, status)
-            return openai.error(message, status, code)
-
-        if origin and not _loopback_name(_host_of(origin)) and not (cors and cors.allows(origin)):
-            return refuse(f"origin {origin} is not this machine", 403, "origin_refused")
-        host = request.headers.get("host", "")
-        if loopback and host and not _loopback_name(_host_of(host)):
-            return refuse(f"host {host} is not a loopback name", 403, "host_refused")
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > BODY_LIMIT:
-            return refuse(f"request body is over the {BODY_LIMIT}-byte limit", 413, "payload_too_large")
-        if policy.shed_when_busy and request.method == "POST" and request.url.path in SHED_ROUTES and _busy(daemon):
-            refused = refuse("every lane is busy: try again, or another daemon", policy.shed_when_busy, "busy")
-            refused.headers["Retry-After"] = "1"
-            return refused
-        if forwarder is None or request.url.path not in FORWARDED_ROUTES or forwarded(request):
-            return await call_next(request)
-        body = await request.body()  # kept for the owner: the route reads it again from here
-        request.scope.setdefault("state", {})[FORWARD_STATE] = True
-        try:
-            return await call_next(request)
-        except SessionElsewhere as e:  # raised before the route answered anything
-            return await forwarder.send(request, body, e.api)
+    app.add_middleware(Guard, daemon=daemon, loopback=loopback, policy=policy, cors=cors, forwarder=forwarder)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
