@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.daemon import Daemon
 from ..model.tools import ToolDeclarationError, normalize_tools
+from ..protocol.jsoncodec import sse
 from ..protocol.schema import GenParams
 from ..scheduler.prompt_pins import DEFAULT_TTL_MS, TTLS_MS
 from . import anthropic_errors
@@ -375,7 +376,7 @@ def _tool_id(call_id: str) -> str:
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse({"type": name, **data}, name)
 
 
 def _started(run: ChatRun, reply_id: str, name: str) -> str:

@@ -18,7 +18,6 @@ Errors are llama-server's `{"error": {"code", "message", "type"}}`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.daemon import Daemon
+from ..protocol.jsoncodec import sse
 from .chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece
 from .chat_http import HttpPolicy, answer, while_connected
 from .extras import ShapedBody
@@ -174,10 +174,6 @@ async def _whole(run: ChatRun, http: Request, name: str, started: float) -> Resp
     return JSONResponse(_final(outcome, name, reply.text, started, first[0] if first else None))
 
 
-def _data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 async def _stream(run: ChatRun, name: str, started: float) -> AsyncIterator[str]:
     first: float | None = None
     try:
@@ -185,11 +181,11 @@ async def _stream(run: ChatRun, name: str, started: float) -> AsyncIterator[str]
         async for piece in run.pieces():
             if piece.kind == "text" and piece.text:
                 first = first or time.monotonic()
-                yield _data({"index": 0, "content": piece.text, "tokens": [], "stop": False})
+                yield sse({"index": 0, "content": piece.text, "tokens": [], "stop": False})
     finally:
         run.cancel()
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _data({"error": {"code": 500, "message": outcome, "type": "server_error"}})
+        yield sse({"error": {"code": 500, "message": outcome, "type": "server_error"}})
     else:
-        yield _data(_final(outcome, name, "", started, first))
+        yield sse(_final(outcome, name, "", started, first))

@@ -34,6 +34,7 @@ from ..core.fim import missing_markers
 from ..core.runtime import ModelError, Runtime
 from ..model.pull import PullError
 from ..model.tools import ToolDeclarationError, normalize_tools
+from ..protocol.jsoncodec import compact
 from ..transports.access import may_administer
 from .chat import ChatError, ChatRequest, ChatRun, Outcome, Piece
 from .chat_http import HttpPolicy, answer, collect, model_id_for, runtime_for, scheduling
@@ -345,11 +346,11 @@ async def _whole(run: ChatRun, http: Request, name: str, chat: bool, started: fl
 async def _lines(run: ChatRun, name: str, chat: bool, started: float) -> AsyncIterator[str]:
     try:
         async for piece in run.pieces():
-            yield json.dumps(_part(piece, name, chat), ensure_ascii=False) + "\n"
+            yield compact(_part(piece, name, chat)) + "\n"  # Ollama's lines are compact too
     finally:
         run.cancel()
     outcome = run.result()
     if isinstance(outcome, str):
-        yield json.dumps({"error": outcome}) + "\n"
+        yield compact({"error": outcome}) + "\n"
         return
-    yield json.dumps(_final(outcome, name, chat, started), ensure_ascii=False) + "\n"
+    yield compact(_final(outcome, name, chat, started)) + "\n"

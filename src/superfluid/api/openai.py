@@ -21,7 +21,6 @@ unless `x-superfluid-qos` names another.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from ..config import SamplingDefaults
 from ..core.daemon import Daemon
 from ..engine.shaping import MAX_TOP_LOGPROBS
 from ..model.tools import ToolDeclarationError, normalize_tools
+from ..protocol.jsoncodec import sse
 from ..protocol.schema import GenParams
 from .chat import ChatError, ChatRequest, ChatRun, Collected, Outcome, Piece, seed_for
 from .chat_http import HttpPolicy, answer, collect, collect_all, runtime_for, scheduling, while_connected
@@ -376,10 +376,6 @@ def superfluid_extras(outcomes: list[Outcome]) -> dict[str, Any]:
     return extras
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 async def _first_pieces(pieces: AsyncIterator[Piece]) -> list[Piece]:
     """The first piece of a reply, or none when it ended without one (so that None can mean the client left)."""
     piece = await anext(pieces, None)
@@ -418,7 +414,7 @@ async def _chat_stream(
     def chunk(delta: dict[str, Any], finish: str | None = None, piece: Piece | None = None, **extra: Any) -> str:
         shown = logprobs_json(piece.logprobs) if logprobs and piece is not None else None
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
-        return _sse({**base, "choices": [choice], **extra})
+        return sse({**base, "choices": [choice], **extra})
 
     async def pieces() -> AsyncIterator[Piece]:
         for piece in first:
@@ -443,12 +439,12 @@ async def _chat_stream(
         run.cancel()  # the client hung up mid-stream, or the generation is over
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _sse(envelope(outcome, "server_error"))
+        yield sse(envelope(outcome, "server_error"))
     else:
         extras = superfluid_extras([outcome])
         if usage_apart:
             yield chunk({}, outcome.finish, superfluid=extras)
-            yield _sse({**base, "choices": [], "usage": usage(outcome)})
+            yield sse({**base, "choices": [], "usage": usage(outcome)})
         else:
             yield chunk({}, outcome.finish, usage=usage(outcome), superfluid=extras)
     yield "data: [DONE]\n\n"
@@ -461,7 +457,7 @@ async def _completion_stream(
     base = {"id": reply_id, "object": "text_completion", "created": created, "model": name}
 
     def chunk(text: str, shown: dict[str, Any] | None) -> str:
-        return _sse({**base, "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": shown}]})
+        return sse({**base, "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": shown}]})
 
     offset = len(echo)
     try:
@@ -475,8 +471,8 @@ async def _completion_stream(
         run.cancel()
     outcome = run.result()
     if isinstance(outcome, str):
-        yield _sse(envelope(outcome, "server_error"))
+        yield sse(envelope(outcome, "server_error"))
     else:
         choice = {"index": 0, "text": "", "finish_reason": outcome.finish, "logprobs": None}
-        yield _sse({**base, "choices": [choice], "usage": usage(outcome)})
+        yield sse({**base, "choices": [choice], "usage": usage(outcome)})
     yield "data: [DONE]\n\n"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +36,7 @@ from ..core.errors import REFUSED, SessionElsewhere
 from ..core.verbs.base import TURN_ENDED
 from ..model.tools import ToolDeclarationError, normalize_tool
 from ..protocol import schema as sf
+from ..protocol.jsoncodec import sse
 from .chat import ChatError, ChatRequest, ChatRun, Outcome
 from .chat_http import HttpPolicy, answer, collect, may_forward, owner, runtime_for, scheduling
 from .openai import GONE, SampledBody, chat_messages, error
@@ -187,8 +187,7 @@ def _status(outcome: Outcome) -> str:
 
 
 def _event(event: Event, number: int) -> str:
-    data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n"
+    return sse({**event, "sequence_number": number}, event["type"])
 
 
 class Responses:

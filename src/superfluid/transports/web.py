@@ -190,10 +190,6 @@ async def _json_body(request: HttpRequest) -> Any:
         return _err(400, "invalid JSON body: nested too deeply")
 
 
-def _frame(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
 def own_origins(port: int) -> list[str]:
     """The origins the UI page has when this listener serves it on `port`."""
     return [f"http://{host}:{port}" for host in LOOPBACK_HOSTS]
@@ -327,7 +323,7 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
         generate = Request.Generate(ask.session, ask.max_tokens, ask.ignore_eos)
         generation = await daemon.generate(generate, provisional=bool(ask.provisional), grammar=grammar)
     except REFUSED as e:
-        yield _frame({"error": str(e)})
+        yield jsoncodec.sse({"error": str(e)})
         yield "data: [DONE]\n\n"
         return
     ended = False
@@ -337,17 +333,17 @@ async def _sse(daemon: Daemon, ask: StreamRequest, grammar: str | None) -> Async
             if outcome is None:
                 yield ": keep-alive\n\n"
             elif isinstance(outcome, Provisional):
-                yield _frame({"provisional": {"channel": outcome.channel, "text": outcome.text}})
+                yield jsoncodec.sse({"provisional": {"channel": outcome.channel, "text": outcome.text}})
             elif isinstance(outcome, Committed):
                 if ask.every_event or isinstance(outcome.event.body, STREAMED):
-                    yield _frame({"committed": jsoncodec.to_json(outcome.event)})
+                    yield jsoncodec.sse({"committed": jsoncodec.to_json(outcome.event)})
             elif isinstance(outcome, Done):
                 ended = True
                 if outcome.error is not None:
-                    yield _frame({"error": outcome.error})
+                    yield jsoncodec.sse({"error": outcome.error})
                 else:
                     done = {"tokens_generated": outcome.tokens_generated, "finish": outcome.finish}
-                    yield _frame({"done": {**done, "warm_prefix": outcome.warm_prefix}})
+                    yield jsoncodec.sse({"done": {**done, "warm_prefix": outcome.warm_prefix}})
                 break
         yield "data: [DONE]\n\n"
     finally:
