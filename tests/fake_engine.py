@@ -47,6 +47,7 @@ class FakeLlama:
         self.slots: dict[int, list[int]] = {s: [] for s in range(sequences)}
         self.delay, self.position_delay = delay, position_delay
         self.orders: list[list[int]] = []  # the slot of each token of each decode, in the batch's order
+        self.ended: list[float] = []  # when each decode ended (monotonic)
         self.truncate_delay = 0.0
         self.copying: set[int] = set()  # as in llama.cpp, a copy's data moves at the next decode
 
@@ -63,6 +64,7 @@ class FakeLlama:
         self.copying.clear()
         self._compute(self.delay + self.position_delay * len(tokens))
         self.orders.append([int(s) for s in seqs])
+        self.ended.append(time.monotonic())
         rows = []
         for token, position, seq, wanted in zip(tokens, positions, seqs, want, strict=True):
             held = self.slots[int(seq)]

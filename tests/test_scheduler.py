@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from fake_engine import VOCAB, FakeEngine, next_of
 
@@ -14,6 +15,7 @@ from superfluid.engine.drafting import Arm
 from superfluid.engine.sampling import splitmix64
 from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import pace as pace_module
+from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.job import Job
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Scheduler
 from superfluid.scheduler.speculate import (
@@ -399,6 +401,34 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
         assert 0 < agent_steps <= len(prefilling) // BATCH_DECODE_EVERY + 1, (agent_steps, len(prefilling))
         scheduler.cancel(agent)
         scheduler.cancel(chat)
+    finally:
+        scheduler.stop()
+
+
+def test_background_lanes_ride_long_steps_only_as_often_as_their_wait_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # long steps of 0.2 s (500 positions at 0.4 ms), and a background lane's next token due within 0.7 s
+    monkeypatch.setattr(pace_module, "STEP_BATCH_S", 0.2)
+    monkeypatch.setattr(scheduler_module, "BACKGROUND_WAIT_S", 0.7)
+    context = FakeEngine(sequences=6, window=8192, batch=512, position_delay=0.0004, interruptible=True)
+    scheduler = Scheduler(context, lanes=4, window=8192)
+    scheduler.start()
+    try:
+        agent, agent_seq = decoding(scheduler, [5, 6, 7])
+        background, background_seq = decoding(scheduler, [8, 9], qos=3)
+        since = len(context.llama.orders)
+        _long, long_out = started(scheduler, list(range(100, 3100)), 2, qos=3)
+        while not long_out.out:
+            time.sleep(0.001)
+        long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is _long)
+        steps = [i for i in range(since, len(context.llama.orders)) if long_seq in context.llama.orders[i]]
+        assert len(steps) >= 5, "the prompt took several long steps"
+        assert all(agent_seq in context.llama.orders[i] for i in steps), "an agent lane rides every long step"
+        rode = [i for i in steps if background_seq in context.llama.orders[i]]
+        assert 0 < len(rode) < len(steps), (len(rode), len(steps))
+        waits = np.diff([context.llama.ended[i] for i in [steps[0] - 1, *rode]])
+        assert max(waits) < 2 * 0.7, f"a background lane waited {max(waits):.2f} s for its next token"
+        scheduler.cancel(agent)
+        scheduler.cancel(background)
     finally:
         scheduler.stop()
 

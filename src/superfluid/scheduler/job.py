@@ -88,6 +88,7 @@ class Lane:
     held: list[int]
     feed: list[int]
     admitted: int  # admission order, newest preempted first
+    drawn_at: float = 0.0  # monotonic time of its last token
 
     @property
     def decoding(self) -> bool:

@@ -27,8 +27,9 @@ in one transaction.
   remaining prompts of the best class first.
 - A tick ends as soon as a job has its first token, so it is committed and shown at once.
 - While a prompt of class agent or background prefills, lanes of those classes that
-  already decode run only every `BATCH_DECODE_EVERY`-th step, so batch work gets its first
-  tokens sooner (the wall time of the whole is the same).
+  already decode run only every `BATCH_DECODE_EVERY`-th short step, and background lanes
+  only as often as keeps their wait under `BACKGROUND_WAIT_S` in long ones, so batch work
+  gets its first tokens sooner (their tokens come later, in fuller batches).
 - `batch_invariant` lanes run alone. `background_divisor` N lets class 2 and 3 lanes
   run only every N-th step.
 """
@@ -79,7 +80,12 @@ PARK_BUSY_EVERY_S = 5.0  # on a daemon that is never idle, one idle entry is par
 # a crash a second later finds it: 256 tokens take about 1 s to prefill on the embedded model on 2 cores,
 # their export about 5 ms between two ticks.
 WRITE_BEHIND_MIN_TOKENS = 256
-BATCH_DECODE_EVERY = 8  # while agents' prompts prefill, decoding agent lanes run every 8th step
+BATCH_DECODE_EVERY = 8  # while agents' prompts prefill in short steps, decoding agent lanes run every 8th step
+# While batch prompts prefill in long steps, background lanes already decoding wait up to this long for their next
+# token. The lanes riding a step decode in a llama.cpp micro-batch of their own, another pass over the weights: on
+# the 0.7B bench model (AMD EPYC, 2 cores) a 192-token step took 1.13 s with no lane riding, 1.17-1.25 s with one and
+# 1.23-1.28 s with seven, so a rider's token cost 14-110 ms, against 11-12 ms in a decode of eight lanes.
+BACKGROUND_WAIT_S = 3.5
 
 
 class _Quiet:
@@ -647,16 +653,17 @@ class Scheduler:
         runnable = [lane for lane in lanes if lane.feed and not (throttled and lane.job.qos >= QOS_AGENT)]
         plan = []
         decoding = [lane for lane in runnable if lane.decoding]
-        if (
-            not batch_step
-            and self.stats.steps % BATCH_DECODE_EVERY
-            and any(not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable)
-        ):
-            # batch work's first tokens first: while an agent's prompt prefills in short steps, the agents
-            # already decoding take every few steps only (their tokens come later, in fuller batches), and
-            # interactive lanes every step; a cache warm-up waits for no token. A long step carries them all:
-            # they cost it little
-            decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]
+        # batch work's first tokens first: while an agent's prompt prefills (a cache warm-up waits for no token),
+        # batch lanes already decoding ride only some steps, their tokens coming later in fuller batches.
+        # Interactive and completion lanes ride every step
+        if any(not lane.decoding and not lane.job.prefill_only and lane.job.qos >= QOS_AGENT for lane in runnable):
+            if not batch_step and self.stats.steps % BATCH_DECODE_EVERY:
+                decoding = [lane for lane in decoding if lane.job.qos < QOS_AGENT]  # short steps: every few
+            elif batch_step:
+                # a long step: background lanes ride when they would otherwise wait over BACKGROUND_WAIT_S for
+                # their next token (the step after this one ends about 2 * step_s from now)
+                late = time.monotonic() + 2 * step_s - BACKGROUND_WAIT_S
+                decoding = [lane for lane in decoding if lane.job.qos < QOS_BACKGROUND or lane.drawn_at <= late]
         for lane in decoding:
             plan.append((lane, lane.feed[:1], len(lane.held)))
         inputs = sum(len(chunk) for _, chunk, _ in plan)
@@ -696,6 +703,7 @@ class Scheduler:
             self._retire(lane, FINISH_STOP if job.grammar is None else FINISH_GRAMMAR)
             return True
         job.generated += 1
+        lane.drawn_at = time.monotonic()
         if job.generated == 1:
             self.stats.last_ttft_seconds = time.monotonic() - job.submitted
             if job.times is not None:
