@@ -382,6 +382,17 @@ def test_a_short_prompt_is_admitted_before_long_ones_queued_ahead_of_it_in_its_c
         scheduler.stop()
 
 
+def prefill_decodes(scheduler: Scheduler, context: FakeEngine, prompt: list[int], qos: int) -> list[int]:
+    """Start a job of `prompt` and wait for its first token: the indexes (into `context.llama.orders`) of the
+    decodes that carried its prompt."""
+    since = len(context.llama.orders)
+    job, out = started(scheduler, prompt, 2, qos=qos)
+    while not out.out:
+        time.sleep(0.001)
+    seq = next(lane.seq for lane in scheduler.lanes if lane.job is job)
+    return [i for i in range(since, len(context.llama.orders)) if seq in context.llama.orders[i]]
+
+
 def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
     context = FakeEngine(sequences=6, delay=0.001, batch=64, window=4096)
     scheduler = Scheduler(context, lanes=3, window=4096)
@@ -389,12 +400,7 @@ def test_agents_decode_every_few_steps_while_an_agent_prompt_prefills() -> None:
     try:
         agent, agent_seq = decoding(scheduler, [5, 6, 7])
         chat, chat_seq = decoding(scheduler, [8, 9], qos=0)
-        since = len(context.llama.batches)
-        long_prompt, long_out = started(scheduler, list(range(100, 1300)), 2)
-        while not long_out.out:
-            time.sleep(0.001)
-        long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is long_prompt)
-        prefilling = [batch for batch in context.llama.batches[since:] if long_seq in batch]
+        prefilling = [context.llama.batches[i] for i in prefill_decodes(scheduler, context, list(range(100, 1300)), 2)]
         assert len(prefilling) >= 16, "the prompt took several steps to prefill"
         assert all(chat_seq in batch for batch in prefilling), "an interactive lane decodes every step"
         agent_steps = sum(agent_seq in batch for batch in prefilling)
@@ -415,12 +421,7 @@ def test_background_lanes_ride_long_steps_only_as_often_as_their_wait_allows(mon
     try:
         agent, agent_seq = decoding(scheduler, [5, 6, 7])
         background, background_seq = decoding(scheduler, [8, 9], qos=3)
-        since = len(context.llama.orders)
-        _long, long_out = started(scheduler, list(range(100, 3100)), 2, qos=3)
-        while not long_out.out:
-            time.sleep(0.001)
-        long_seq = next(lane.seq for lane in scheduler.lanes if lane.job is _long)
-        steps = [i for i in range(since, len(context.llama.orders)) if long_seq in context.llama.orders[i]]
+        steps = prefill_decodes(scheduler, context, list(range(100, 3100)), 3)
         assert len(steps) >= 5, "the prompt took several long steps"
         assert all(agent_seq in context.llama.orders[i] for i in steps), "an agent lane rides every long step"
         rode = [i for i in steps if background_seq in context.llama.orders[i]]
