@@ -7,7 +7,8 @@ ties to the lowest token id). Otherwise the candidates are the softmax of
 logits / temperature in order of probability (ties to the lower id), cut by top-k, by
 min-p (probability at least min_p times the best one) and by top-p (the shortest
 prefix whose mass reaches top_p); the draw walks the cumulative mass of what is left.
-Only as much of the vocabulary is sorted as the draw needs.
+Only as much of the vocabulary is sorted as the draw needs: the heaviest few tokens of a
+model's peaked row, or, on a flat row, the buckets of weights its cut and its draw fall in.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class BucketedRow:
     """A row of weights in buckets by weight, with the mass of the row down to each bucket: `draw` finds the
     cut and the draw `sample` makes by sorting only the buckets they fall in.
 
-    On a flat 49,152-token row it takes about 0.15 ms where sorting the row took 1 to 1.5 ms. Its sums are
+    On a flat 49,152-token row `sample` takes 0.16-0.31 ms with it, 1 to 1.5 ms sorting the row. Its sums are
     the sorted row's cumulative sums exactly as long as every weight in them is heavy enough
     (`EXACT_SPAN`); tokens lighter than that share the last bucket, and where a sum would reach it,
     `draw` declines and the row is sorted."""
