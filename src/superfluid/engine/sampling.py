@@ -206,22 +206,20 @@ class BucketedRow:
     def draw(self, limit: int, top_p: float | None, total: float, u: float) -> int | None:
         """`sample`'s token for the `limit` heaviest cut at mass `top_p` (None: no cut) and the draw `u`, or
         None where a sum it needs is not exact."""
+        keep, last = limit, None  # the tokens kept, and the last of them with the mass down to it
         if top_p is not None:
             b = int(np.searchsorted(self.mass, top_p))  # the bucket where the row's mass reaches the cut
             if b > self.exact:
                 return None
             tokens, mass, before = self._ranked(b)
             at = int(np.searchsorted(mass, top_p))
-            keep = before + at + 1
-            last = (int(tokens[at]), float(mass[at])) if keep <= limit else self._at(limit - 1)
-        elif limit < self.w.shape[0]:
+            if before + at < limit:
+                keep, last = before + at + 1, (int(tokens[at]), float(mass[at]))
+        if last is None and (top_p is not None or limit < self.w.shape[0]):
             last = self._at(limit - 1)
-        else:
-            last = (-1, total)  # the whole row, its mass as `sample` sums it
-        if last is None:
-            return None
-        keep = min(limit, keep) if top_p is not None else limit
-        target = u * last[1]
+            if last is None:
+                return None
+        target = u * (total if last is None else last[1])  # the whole row: its mass as `sample` sums it
         b = int(np.searchsorted(self.mass, target, side="right"))  # the bucket whose mass passes the target
         if b > self.exact:
             return None
@@ -229,4 +227,4 @@ class BucketedRow:
         rank = before + int(np.searchsorted(mass, target, side="right"))
         if rank < keep:
             return int(tokens[rank - before])
-        return last[0] if last[0] >= 0 else None  # the target rounded up to the kept mass: the last kept token
+        return None if last is None else last[0]  # the target rounded up to the kept mass: the last kept token

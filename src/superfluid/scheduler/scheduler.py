@@ -705,7 +705,7 @@ class Scheduler:
         job.generated += 1
         lane.drawn_at = time.monotonic()
         if job.generated == 1:
-            self.stats.last_ttft_seconds = time.monotonic() - job.submitted
+            self.stats.last_ttft_seconds = lane.drawn_at - job.submitted
             if job.times is not None:
                 job.times.first_token = time.time_ns()
         if logprobs is not None:
