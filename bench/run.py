@@ -22,7 +22,9 @@ Fifteen sections, one system driven at a time:
 - http: superfluid (default kernels, and `--kernels fast` for the agents) and llama-server
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
   idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both
-  systems up, taking turns), then eight agents with a chat arriving behind them;
+  systems up, taking turns), then eight agents with a chat arriving behind them, and the
+  floor under their wall and first-token median that no scheduler passes (one agent alone on
+  the idle server: eight such prompts prefilled back to back, then one reply decoded);
 - socket: the session API against a bare llama.cpp loop in this process (the exact build,
   and the daemon on `--kernels exact`): decode, forks, shared prefixes, a chat behind
   agents, memory inside its flags;
@@ -726,11 +728,14 @@ def light_rounds(urls: dict[str, str], quick: bool, rounds: int | None = None) -
 
 
 def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_qos: str | None) -> dict[str, float]:
-    """Eight agents with long prompts of their own; a short chat two seconds after they start."""
-    agents = [
-        load.Chat(_user(load.document(seed + i, 600 if quick else AGENT_PROMPT)), 128 if quick else 384, agent_qos)
-        for i in range(8)
-    ]
+    """One agent alone on the idle server (a prompt of the same length, its own words), then eight agents with
+    long prompts of their own and a short chat two seconds after they start."""
+
+    def agent(i: int) -> load.Chat:
+        return load.Chat(_user(load.document(i, 600 if quick else AGENT_PROMPT)), 128 if quick else 384, agent_qos)
+
+    alone = load.send(url, agent(seed + 8))
+    agents = list(map(agent, range(seed, seed + 8)))
     replies = load.together(url, [*agents, load.Chat(_user(CHAT), 16, chat_qos)], [0.0] * 8 + [2.0])
     ttfts = [r.ttft for r in replies[:8]]
     figures = {
@@ -738,13 +743,29 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
         "p50": float(np.median(ttfts)),
         "max": max(ttfts),
         "chat": replies[8].ttft,
+        "stall": max(max(r.gaps, default=0.0) for r in replies[:8]),
+        "completed": sum(
+            r.error is None and r.completion_tokens == a.max_tokens for r, a in zip(replies[:8], agents, strict=True)
+        ),
+        "alone_first": alone.ttft,
+        "alone_decode": alone.done - alone.sent - alone.ttft,
     }
     print(
         f"  agents {agent_qos or 'no header'}, chat {chat_qos or 'no header'}: agents' wall {figures['wall']:.1f} s, "
-        f"first token p50 {figures['p50']:.1f} s, max {figures['max']:.1f} s; chat first token {figures['chat']:.2f} s",
+        f"first token p50 {figures['p50']:.1f} s, max {figures['max']:.1f} s; chat first token {figures['chat']:.2f} s;"
+        f" one agent alone: first token {alone.ttft:.1f} s, then {figures['alone_decode']:.1f} s",
         flush=True,
     )
     return figures
+
+
+def agents_floor(mine: dict[str, float], peer: dict[str, float]) -> dict[str, float]:
+    """What no scheduler beats on this machine, from one agent alone on either server of a paired round (the
+    quicker one's): eight such prompts prefilled back to back, then the last one's reply decoded alone (wall), and
+    the median of the eight first tokens of that order (p50: 4.5 prompts' prefill)."""
+    first = min(mine["alone_first"], peer["alone_first"])
+    decode = min(mine["alone_decode"], peer["alone_decode"])
+    return {"wall": 8 * first + decode, "p50": 4.5 * first, "first": first, "decode": decode}
 
 
 def http_section(
@@ -895,6 +916,27 @@ def http_results(
                 raw,
             )
         )
+        floors = [agents_floor(a, b) for a, b in zip(rounds, peers, strict=True)]
+        floor = floors[middle]
+        detail = (
+            f"{floor[key]:.1f} s vs {peer[key]:.1f} s: one agent alone took {floor['first']:.1f} s to its first token "
+            f"and {floor['decode']:.1f} s more to its last (the quicker server's, the median round)"
+        )
+        raw = {"floor s": [f[key] for f in floors], "llama-server s": [r[key] for r in peers]}
+        results.append(
+            Result(
+                f"{name}: the floor",
+                floor[key] / peer[key],
+                "(reported)",
+                True,
+                detail,
+                "x",
+                "llama-server",
+                "lower",
+                "",
+                raw,
+            )
+        )
         if fast is None:
             continue
         ratio = fast[key] / peer[key]
@@ -924,6 +966,33 @@ def http_results(
             f"llama-server {peer['chat']:.2f} s" if peer else "",
             "s",
             rounds={"superfluid s": [plain["chat"]], **({"llama-server s": [peer["chat"]]} if peer else {})},
+        )
+    )
+    stalls, peer_stall = [r["stall"] for r in rounds], max((r["stall"] for r in peers), default=None)
+    results.append(
+        Result(
+            "longest wait between a started agent's tokens, QoS header (s)",
+            max(stalls),
+            "<= 5.0 s",
+            max(stalls) <= 5.0,
+            f"the longest of {len(rounds)} rounds" + (f"; llama-server {peer_stall:.2f} s" if peer else ""),
+            "s",
+            rounds={"superfluid s": stalls, **({"llama-server s": [r["stall"] for r in peers]} if peer else {})},
+        )
+    )
+    completed = [r["completed"] for r in [*rounds, plain]]
+    results.append(
+        Result(
+            "agents completed, every round",
+            min(completed) / 8,
+            ">= 1.0",
+            min(completed) == 8,
+            f"{sum(completed)} of {8 * len(completed)} agents ran to their max_tokens",
+            "share",
+            rounds={
+                "superfluid agents": completed,
+                **({"llama-server agents": [r["completed"] for r in peers]} if peer else {}),
+            },
         )
     )
     return results
