@@ -31,7 +31,7 @@ CHAT = "/v1/chat/completions"
 PHASES = {"admission", "queue", "prefill", "decode", "commit"}
 DECODED = 32  # tokens of each decode-rate measurement
 ONE_THREAD = ("--threads", "1")
-NO_PARK = "--no-park"  # parking nothing, a daemon does not calibrate the park at start, which holds up a first request
+NO_PARK = "--no-park"  # parking nothing, a daemon writes no KV state to disk between the requests a test times
 
 
 def access_lines(proc: HttpDaemon) -> list[dict[str, Any]]:

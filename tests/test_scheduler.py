@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from superfluid.protocol.schema import FINISH_LENGTH, GenParams
 from superfluid.scheduler import pace as pace_module
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.job import Job
+from superfluid.scheduler.park import Park, park_fingerprint
 from superfluid.scheduler.scheduler import BATCH_DECODE_EVERY, STARVATION_STEPS, Scheduler
 from superfluid.scheduler.speculate import (
     CHANGED,
@@ -92,6 +94,21 @@ def decoding(scheduler: Scheduler, prompt: list[int], qos: int = 2) -> tuple[Job
     while len(sink.out) < 3:
         time.sleep(0.001)
     return job, next(lane.seq for lane in scheduler.lanes if lane.job is job)
+
+
+def test_a_scheduler_with_a_park_measures_its_rates_before_it_takes_a_job(tmp_path: Path) -> None:
+    # the probe runs in start(), so a request sent once the model is loaded never waits behind its decodes
+    context = FakeEngine(sequences=4, delay=0.01)
+    scheduler = Scheduler(context, lanes=2, window=256, park=Park(tmp_path, park_fingerprint("test model", 1), 0))
+    scheduler.start()
+    try:
+        probe = len(context.llama.orders)
+        assert probe >= 2 and scheduler.tiers.read_cost > 0, "start() returned with the park's rates measured"
+        out, _ = run(scheduler, [5, 6, 7])
+        assert out == alone([5, 6, 7], 6), "the probe left nothing behind in the slots"
+        assert len(context.llama.orders) - probe <= 6, "the job's decodes came right after the probe's"
+    finally:
+        scheduler.stop()
 
 
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
