@@ -3,7 +3,8 @@
 `Superfluid` is `superfluid serve` on temporary state with its HTTP API and socket;
 `LlamaServer` is llama-server built from the llama.cpp that llama-cpp-python vendors (the
 same commit superfluid runs), at its own defaults; `batched_bench` runs llama.cpp's
-`llama-batched-bench`, the bare decode loop, with the settings given.
+`llama-batched-bench`, the bare decode loop, with the settings given, and `fastest_loop` at whichever
+of llama.cpp's own settings does a piece of work sooner.
 """
 
 from __future__ import annotations
@@ -146,6 +147,24 @@ def batched_bench(
     if done.returncode != 0 or len(rows) != repeats * len(streams):
         sys.exit(f"llama-batched-bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [median_row([row for row in rows if row["pl"] == n]) for n in streams]
+
+
+# llama.cpp's own settings: its defaults (flash attention where it judges it pays, one KV for every sequence),
+# and flash attention with a KV stream per sequence, which is faster on some models and context lengths
+LLAMA_CPP_DEFAULTS = ("-fa", "auto", "-kvu")
+LLAMA_CPP_FLASH = ("-fa", "on")
+
+
+def fastest_loop(binary: Path, model: Path, prompt: int, tokens: int, streams: int, threads: int) -> dict:
+    """llama.cpp's own loop prefilling `streams` prompts of `prompt` tokens together, then decoding `tokens` on
+    each of them together: the llama-batched-bench row (`t_pp`, `t_tg` and their sum `t`, in seconds) of
+    whichever of llama.cpp's settings took the shorter `t`, the work's floor on this machine, named in `setting`."""
+    settings = {"its defaults": LLAMA_CPP_DEFAULTS, "flash attention, a KV stream per sequence": LLAMA_CPP_FLASH}
+    rows = [
+        {**batched_bench(binary, model, prompt, tokens, [streams], "-t", str(threads), *flags)[0], "setting": name}
+        for name, flags in settings.items()
+    ]
+    return min(rows, key=lambda row: row["t"])
 
 
 def median_row(same: Sequence[dict]) -> dict:

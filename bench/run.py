@@ -81,7 +81,7 @@ import load
 import numpy as np
 from agents import agent_figures
 from cluster import cluster_figures
-from peer import LlamaServer, Superfluid, batched_bench, median_row
+from peer import LLAMA_CPP_DEFAULTS, LLAMA_CPP_FLASH, LlamaServer, Superfluid, batched_bench, fastest_loop, median_row
 from random_model import Shape, random_model
 from record import RESULTS, SECTIONS, Result, median_round, save
 from spec import spec_figures
@@ -425,15 +425,15 @@ def socket_section(
 # Each is (name, build, flags, kernels): kernels None runs llama.cpp's own switches, "fast" or "exact" those a
 # superfluid worker on that build runs with (on the wheel's, which the `exact` build stands for, tiled kernels off).
 ENGINE_CONFIGS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
-    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", ("-fa", "auto", "-kvu"), None),
-    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"), None),
-    ("superfluid --kernels fast: llama.cpp build, flash attention, a KV stream per sequence", "fast", ("-fa", "on"),
+    ("llama.cpp defaults: its build, flash attention auto, unified KV", "fast", LLAMA_CPP_DEFAULTS, None),
+    ("llama.cpp build, flash attention, a KV stream per sequence", "fast", LLAMA_CPP_FLASH, None),
+    ("superfluid --kernels fast: llama.cpp build, flash attention, a KV stream per sequence", "fast", LLAMA_CPP_FLASH,
      "fast"),
     (
         "superfluid --kernels exact: llama.cpp build, only Q4_0, IQ4_NL and Q4_K weights repacked, tiled kernels "
         "for all but IQ1 weights, flash attention in one order, a KV stream per sequence",
         "fast",
-        ("-fa", "on"),
+        LLAMA_CPP_FLASH,
         "exact",
     ),
     ("the wheel's build (exact without the fast build), no flash attention, a KV stream per sequence", "exact",
@@ -665,7 +665,8 @@ def many_idle_sessions(root: Path, threads: int, count: int) -> Result:
 
 # ---- http: superfluid and llama-server, driven alike ----
 
-AGENT_PROMPT = 1750
+AGENT_PROMPT, AGENT_REPLY = 1750, 384
+QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY = 600, 128
 BURST_PREFIX = 1500
 # decode at each concurrency, greedy (the figures' keys say `decode`) and sampled as chat UIs do
 SAMPLING: dict[str, dict[str, float]] = {"decode": {}, "sampled": {"temperature": 0.7, "top_p": 0.95}}
@@ -731,8 +732,10 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
     """One agent alone on the idle server (a prompt of the same length, its own words), then eight agents with
     long prompts of their own and a short chat two seconds after they start."""
 
+    prompt, reply = (QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY) if quick else (AGENT_PROMPT, AGENT_REPLY)
+
     def agent(i: int) -> load.Chat:
-        return load.Chat(_user(load.document(i, 600 if quick else AGENT_PROMPT)), 128 if quick else 384, agent_qos)
+        return load.Chat(_user(load.document(i, prompt)), reply, agent_qos)
 
     alone = load.send(url, agent(seed + 8))
     agents = list(map(agent, range(seed, seed + 8)))
@@ -759,13 +762,14 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
     return figures
 
 
-def agents_floor(mine: dict[str, float], peer: dict[str, float]) -> dict[str, float]:
+def agents_floor(mine: dict[str, float], peer: dict[str, float], together: float) -> dict[str, float]:
     """What no scheduler beats on this machine, from one agent alone on either server of a paired round (the
-    quicker one's): eight such prompts prefilled back to back, then the last one's reply decoded alone (wall), and
-    the median of the eight first tokens of that order (p50: 4.5 prompts' prefill)."""
+    quicker one's first token) and `together`, the seconds llama.cpp's own loop takes to decode the eight replies
+    side by side: eight prompts prefilled back to back, then their replies decoded together (wall), and the
+    median of the eight first tokens of that order (p50: 4.5 prompts' prefill). It leaves out the tokens a reply
+    could take along with a later prompt's prefill, one in each of its micro-batches of 512: a few of hundreds."""
     first = min(mine["alone_first"], peer["alone_first"])
-    decode = min(mine["alone_decode"], peer["alone_decode"])
-    return {"wall": 8 * first + decode, "p50": 4.5 * first, "first": first, "decode": decode}
+    return {"wall": 8 * first + together, "p50": 4.5 * first, "first": first, "decode": together}
 
 
 def http_section(
@@ -794,10 +798,15 @@ def http_section(
         agent_systems["superfluid fast"] = lambda tag: Superfluid(root / f"fast-{tag}", window, lanes, *fast)
     offload = ("-ngl", "999" if gpu_layers == "all" else gpu_layers) if gpu_layers else ()
     server_binary = peers / "fast" / "bin" / "llama-server" if peers else None
+    together = 0.0  # the agents' replies decoded side by side by llama.cpp's loop, for their floor
     if server_binary is not None and server_binary.exists():
         systems["llama-server"] = agent_systems["llama-server"] = lambda tag, *_: LlamaServer(
             server_binary, model, root / f"llama-server-{tag}", lanes, window, threads, *offload
         )
+        shape = (QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY) if quick else (AGENT_PROMPT, AGENT_REPLY)
+        loop = fastest_loop(server_binary.with_name("llama-batched-bench"), model, *shape, 8, threads)
+        together = loop["t_tg"]
+        print(f"http agents: llama.cpp's loop decodes eight replies together in {together:.1f} s", flush=True)
     else:
         print("http: llama-server not built (make bench builds it); its column is left out", flush=True)
     # the light figures with every system up and one driven at a time; parking is off there,
@@ -825,11 +834,14 @@ def http_section(
             with agent_systems[name](f"agents-{label}") as server:
                 figures = agents_round(server.url, quick, 500 + index * 100, agent_qos, chat_qos)
             agents.setdefault((name, label), []).append(figures)
-    return http_results(light, agents, quick)
+    return http_results(light, agents, quick, together)
 
 
 def http_results(
-    light: dict[str, list[dict[str, float]]], agents: dict[tuple[str, str], list[dict[str, float]]], quick: bool
+    light: dict[str, list[dict[str, float]]],
+    agents: dict[tuple[str, str], list[dict[str, float]]],
+    quick: bool,
+    together: float,
 ) -> list[Result]:
     ours = light["superfluid"]
     theirs = light.get("llama-server")
@@ -909,12 +921,14 @@ def http_results(
             f"(ratios {', '.join(f'{r:.2f}' for r in ratios)})"
         )
         below_peer(name, ratios[middle], target, detail, raw)
-        floors = [agents_floor(a, b) for a, b in zip(rounds, peers, strict=True)]
+        floors = [agents_floor(a, b, together) for a, b in zip(rounds, peers, strict=True)]
         floor = floors[middle]
         detail = (
             f"{floor[key]:.1f} s vs {peer[key]:.1f} s: one agent alone took {floor['first']:.1f} s to its first token "
-            f"and {floor['decode']:.1f} s more to its last (the quicker server's, the median round)"
+            "(the quicker server's, the median round)"
         )
+        if key == "wall":
+            detail += f", and llama.cpp's loop decoded eight replies together in {floor['decode']:.1f} s"
         raw = {"floor s": [f[key] for f in floors], "llama-server s": [r[key] for r in peers]}
         below_peer(f"{name}: the floor", floor[key] / peer[key], "(reported)", detail, raw)
         if fast is None:

@@ -6,10 +6,13 @@
   load (for two minutes, one with --quick: its memory is steady by then). Superfluid's host KV
   tier fills with the evicted prefixes of finished requests up to `--host-cache-mb` (a quarter
   of RAM, at most 2 GiB): that is a cache the flag bounds, not growth, so the memory figures
-  leave it out and say how large it was.
+  leave it out and say how large it was. A fresh daemon then takes the same load for a minute: the
+  soak's last minute against it tells a daemon that slowed from a machine that did.
 - oversubscribed: 32 requests of about 900 prompt tokens and 900 forced output tokens on 8 lanes
   of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
-  one completes, and the wall against llama-server's at the same lanes and context.
+  one completes, and the wall against llama-server's at the same lanes and context, and against
+  llama.cpp's own loop doing the same work (four waves of eight prompts prefilled together, then
+  their replies decoded together), which no server beats.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import load
-from peer import LlamaServer, Server, Superfluid
+from peer import LlamaServer, Server, Superfluid, fastest_loop
 from record import Result
 
 from superfluid.metrics import read_metric
@@ -133,6 +136,10 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
     with Superfluid(root / "soak", window, lanes, *served) as ours:
         mine = soak(ours, minutes * MINUTE)
     print(f"  {mine}", flush=True)
+    print("sustained: a fresh superfluid, one minute of the same load", flush=True)
+    with Superfluid(root / "soak-fresh", window, lanes, *served) as fresh:
+        control = soak(fresh, MINUTE)
+    print(f"  {control}", flush=True)
     theirs = None
     if peer is not None:
         print("sustained: llama-server, the same load for its memory", flush=True)
@@ -153,6 +160,18 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
             "the first minute",
             "higher",
             rounds={"first minute tok/s": [mine["first"]], "last minute tok/s": [mine["last"]]},
+        ),
+        Result(
+            "soak: tok/s in the last minute / a fresh daemon's first minute right after",
+            mine["last"] / control["first"],
+            "(reported)",
+            True,
+            f"{mine['last']:.1f} tok/s vs {control['first']:.1f} tok/s: the machine's speed then, without the "
+            "soak's history",
+            "x",
+            "a fresh daemon",
+            "higher",
+            rounds={"last minute tok/s": [mine["last"]], "fresh daemon tok/s": [control["first"]]},
         ),
         Result(
             "soak: daemon and workers' memory but the host KV tier, at the end / after the first minute",
@@ -229,6 +248,10 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
         )
     )
     if "llama-server" in walls:
+        assert peer is not None
+        loop = fastest_loop(peer.with_name("llama-batched-bench"), model, prompt, prompt, lanes, threads)
+        floor = count / lanes * loop["t"]
+        print(f"  llama.cpp's loop: {floor:.1f} s for the same work", flush=True)
         peer_wall, peer_complete = walls["llama-server"]
         results.append(
             Result(
@@ -242,6 +265,22 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
                 "lower",
                 f"{count} requests on {lanes} lanes, more than their KV holds: wall",
                 rounds={"superfluid s": [wall], "llama-server s": [peer_wall]},
+            )
+        )
+        results.append(
+            Result(
+                f"{name}: llama.cpp's loop doing the same work / llama-server",
+                floor / peer_wall,
+                "(reported)",
+                True,
+                f"{floor:.1f} s vs {peer_wall:.1f} s: {count // lanes} times {lanes} prompts prefilled together "
+                f"({loop['t_pp']:.1f} s) and their replies decoded together ({loop['t_tg']:.1f} s), llama.cpp at "
+                f"{loop['setting']}; "
+                f"superfluid's wall is {wall / floor:.2f} of it",
+                "x",
+                "llama-server",
+                "lower",
+                rounds={"llama.cpp loop s": [floor], "llama-server s": [peer_wall]},
             )
         )
     return results
