@@ -158,7 +158,7 @@ LLAMA_CPP_FLASH = ("-fa", "on")
 def fastest_loop(binary: Path, model: Path, prompt: int, tokens: int, streams: int, threads: int) -> dict:
     """llama.cpp's own loop prefilling `streams` prompts of `prompt` tokens together, then decoding `tokens` on
     each of them together: the llama-batched-bench row (`t_pp`, `t_tg` and their sum `t`, in seconds) of
-    whichever of llama.cpp's settings took the shorter `t`, the work's floor on this machine, named in `setting`."""
+    whichever of llama.cpp's settings took the shorter `t` (named in `setting`): the work with no server around it."""
     settings = {"its defaults": LLAMA_CPP_DEFAULTS, "flash attention, a KV stream per sequence": LLAMA_CPP_FLASH}
     rows = [
         {**batched_bench(binary, model, prompt, tokens, [streams], "-t", str(threads), *flags)[0], "setting": name}

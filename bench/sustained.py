@@ -12,7 +12,7 @@
   of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
   one completes, and the wall against llama-server's at the same lanes and context, and against
   llama.cpp's own loop doing the same work (four waves of eight prompts prefilled together, then
-  their replies decoded together), which no server beats.
+  their replies decoded together): how much of llama-server's wall is the work itself.
 """
 
 from __future__ import annotations
