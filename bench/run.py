@@ -23,8 +23,8 @@ Fifteen sections, one system driven at a time:
   (built from the same llama.cpp, `-np 8 -kvu`) driven over OpenAI HTTP by the same client:
   idle first token, decode at 1 and 8 streams and a burst sharing a system prompt (both
   systems up, taking turns), then eight agents with a chat arriving behind them, and the
-  floor under their wall and first-token median that no scheduler passes (one agent alone on
-  the idle server: eight such prompts prefilled back to back, then one reply decoded);
+  floor under their wall and first-token median (one agent alone on the idle server: eight
+  such prompts prefilled back to back, then their replies decoded together by llama.cpp's loop);
 - socket: the session API against a bare llama.cpp loop in this process (the exact build,
   and the daemon on `--kernels exact`): decode, forks, shared prefixes, a chat behind
   agents, memory inside its flags;
@@ -728,11 +728,15 @@ def light_rounds(urls: dict[str, str], quick: bool, rounds: int | None = None) -
     return figures
 
 
+def agent_shape(quick: bool) -> tuple[int, int]:
+    """An agent's prompt and reply, in tokens."""
+    return (QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY) if quick else (AGENT_PROMPT, AGENT_REPLY)
+
+
 def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_qos: str | None) -> dict[str, float]:
     """One agent alone on the idle server (a prompt of the same length, its own words), then eight agents with
     long prompts of their own and a short chat two seconds after they start."""
-
-    prompt, reply = (QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY) if quick else (AGENT_PROMPT, AGENT_REPLY)
+    prompt, reply = agent_shape(quick)
 
     def agent(i: int) -> load.Chat:
         return load.Chat(_user(load.document(i, prompt)), reply, agent_qos)
@@ -751,12 +755,11 @@ def agents_round(url: str, quick: bool, seed: int, agent_qos: str | None, chat_q
             r.error is None and r.completion_tokens == a.max_tokens for r, a in zip(replies[:8], agents, strict=True)
         ),
         "alone_first": alone.ttft,
-        "alone_decode": alone.done - alone.sent - alone.ttft,
     }
     print(
         f"  agents {agent_qos or 'no header'}, chat {chat_qos or 'no header'}: agents' wall {figures['wall']:.1f} s, "
         f"first token p50 {figures['p50']:.1f} s, max {figures['max']:.1f} s; chat first token {figures['chat']:.2f} s;"
-        f" one agent alone: first token {alone.ttft:.1f} s, then {figures['alone_decode']:.1f} s",
+        f" one agent alone: first token {alone.ttft:.1f} s",
         flush=True,
     )
     return figures
@@ -803,9 +806,8 @@ def http_section(
         systems["llama-server"] = agent_systems["llama-server"] = lambda tag, *_: LlamaServer(
             server_binary, model, root / f"llama-server-{tag}", lanes, window, threads, *offload
         )
-        shape = (QUICK_AGENT_PROMPT, QUICK_AGENT_REPLY) if quick else (AGENT_PROMPT, AGENT_REPLY)
-        loop = fastest_loop(server_binary.with_name("llama-batched-bench"), model, *shape, 8, threads)
-        together = loop["t_tg"]
+        batched = server_binary.with_name("llama-batched-bench")
+        together = fastest_loop(batched, model, *agent_shape(quick), 8, threads, phase="t_tg")["t_tg"]
         print(f"http agents: llama.cpp's loop decodes eight replies together in {together:.1f} s", flush=True)
     else:
         print("http: llama-server not built (make bench builds it); its column is left out", flush=True)

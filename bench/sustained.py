@@ -250,11 +250,10 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
             rounds={"complete": [complete]},
         )
     )
-    if "llama-server" in walls:
-        assert peer is not None
+    if peer is not None:
         loop = fastest_loop(peer.with_name("llama-batched-bench"), model, prompt, prompt, lanes, threads)
-        floor = count / lanes * loop["t"]
-        print(f"  llama.cpp's loop: {floor:.1f} s for the same work", flush=True)
+        loop_wall = count / lanes * loop["t"]
+        print(f"  llama.cpp's loop: {loop_wall:.1f} s for the same work", flush=True)
         peer_wall, peer_complete = walls["llama-server"]
         results.append(
             Result(
@@ -273,17 +272,17 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
         results.append(
             Result(
                 f"{name}: llama.cpp's loop doing the same work / llama-server",
-                floor / peer_wall,
+                loop_wall / peer_wall,
                 "(reported)",
                 True,
-                f"{floor:.1f} s vs {peer_wall:.1f} s: {count // lanes} times {lanes} prompts prefilled together "
+                f"{loop_wall:.1f} s vs {peer_wall:.1f} s: {count // lanes} times {lanes} prompts prefilled together "
                 f"({loop['t_pp']:.1f} s) and their replies decoded together ({loop['t_tg']:.1f} s), llama.cpp at "
                 f"{loop['setting']}; "
-                f"superfluid's wall is {wall / floor:.2f} of it",
+                f"superfluid's wall is {wall / loop_wall:.2f} of it",
                 "x",
                 "llama-server",
                 "lower",
-                rounds={"llama.cpp loop s": [floor], "llama-server s": [peer_wall]},
+                rounds={"llama.cpp loop s": [loop_wall], "llama-server s": [peer_wall]},
             )
         )
     return results
