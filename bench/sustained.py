@@ -3,11 +3,13 @@
 - soak: eight clients send short requests back to back for ten minutes (three with --quick);
   the tokens per second of the last minute against the first, the memory of the daemon and its
   workers at the end against after the first minute, and against llama-server's after the same
-  load (for two minutes, one with --quick: its memory is steady by then). Superfluid's host KV
-  tier fills with the evicted prefixes of finished requests up to `--host-cache-mb` (a quarter
-  of RAM, at most 2 GiB): that is a cache the flag bounds, not growth, so the memory figures
-  leave it out and say how large it was. A fresh daemon then takes the same load for a minute: the
-  soak's last minute against it tells a daemon that slowed from a machine that did.
+  soak. Superfluid's host KV tier fills with the evicted prefixes of finished requests up to
+  `--host-cache-mb` (a quarter of RAM, at most 2 GiB): that is a cache the flag bounds, not
+  growth, so the memory figures leave it out and say how large it was. A fresh daemon then takes the same load for a minute: the
+  soak's last minute against it tells a daemon that slowed from a machine that did. Two more gauges
+  tell them apart: the tokens superfluid's worker makes per second of llama.cpp compute (the same
+  shapes all soak long: a drop there is llama.cpp running slower, not the daemon serving it less),
+  and llama-server's own last minute against its first over a soak as long.
 - oversubscribed: 32 requests of about 900 prompt tokens and 900 forced output tokens on 8 lanes
   of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
   one completes, and the wall against llama-server's at the same lanes and context, and against
@@ -20,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -66,10 +69,47 @@ def host_tier_bytes(server: Server) -> int:
     return int(read_metric(httpx.get(f"{server.url}/metrics").text, "superfluid_host_cache_bytes"))
 
 
-def soak(server: Server, seconds: float, clients: int = 8) -> dict[str, float]:
-    """`clients` threads sending short chats back to back for `seconds`: tokens per second in the
-    first and the last minute, and the server's memory (and its host tier's) after the first minute
-    and at the end."""
+def engine_counters(server: Server) -> tuple[float, float]:
+    """Superfluid's tokens generated so far and the seconds its worker spent in llama.cpp making them
+    and prefilling their prompts; (0, 0) for llama-server, which has no such split."""
+    if not isinstance(server, Superfluid):
+        return 0.0, 0.0
+    exposition = httpx.get(f"{server.url}/metrics").text
+    return (
+        read_metric(exposition, "superfluid_generated_tokens_total"),
+        read_metric(exposition, "superfluid_worker_compute_seconds_total"),
+    )
+
+
+@dataclass
+class Soak:
+    """What a soak measured: tokens per second in each minute (by arrival), superfluid's tokens per
+    second of llama.cpp compute in the first and the last minute (0 for llama-server), and memory."""
+
+    minutes: list[float]
+    compute_first: float
+    compute_last: float
+    resident_first: int
+    tier_first: int
+    resident_end: int
+    tier_end: int
+    requests: int
+    failed: int
+
+    @property
+    def first(self) -> float:
+        return self.minutes[0]
+
+    @property
+    def last(self) -> float:
+        return self.minutes[-1]  # before the clients stop sending, not the drain after it
+
+    def rates(self) -> str:
+        return ", ".join(f"{rate:.0f}" for rate in self.minutes)
+
+
+def soak(server: Server, seconds: float, clients: int = 8) -> Soak:
+    """`clients` threads sending short chats back to back for `seconds` (whole minutes)."""
     assert server.proc is not None
     started = time.monotonic()
     # when each reply's chunks arrived, and its tokens: a minute's rate counts the tokens that arrived in it,
@@ -95,8 +135,13 @@ def soak(server: Server, seconds: float, clients: int = 8) -> dict[str, float]:
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
-    time.sleep(MINUTE)
-    after_first_minute = resident_bytes(server.proc.pid), host_tier_bytes(server)
+    # the engine's counters at the first minute's ends and the last's (the same minute in a one-minute soak)
+    counters: dict[float, tuple[float, float]] = {0.0: engine_counters(server)}
+    for at in sorted({MINUTE, seconds - MINUTE, seconds}):
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        counters[at] = engine_counters(server)
+        if at == MINUTE:
+            after_first_minute = resident_bytes(server.proc.pid), host_tier_bytes(server)
     for thread in threads:
         thread.join()
     if failures:
@@ -106,16 +151,21 @@ def soak(server: Server, seconds: float, clients: int = 8) -> dict[str, float]:
         arrived = sum(tokens * sum(since <= at < until for at in arrivals) / len(arrivals) for arrivals, tokens in done)
         return arrived / (until - since)
 
-    return {
-        "first": rate(started, started + MINUTE),
-        "last": rate(started + seconds - MINUTE, started + seconds),  # before the clients stop sending
-        "resident_first": after_first_minute[0],
-        "tier_first": after_first_minute[1],
-        "resident_end": resident_bytes(server.proc.pid),
-        "tier_end": host_tier_bytes(server),
-        "requests": len(done),
-        "failed": len(failures),
-    }
+    def compute_rate(since: float) -> float:
+        (tokens_then, compute_then), (tokens_now, compute_now) = counters[since], counters[since + MINUTE]
+        return (tokens_now - tokens_then) / (compute_now - compute_then) if compute_now > compute_then else 0.0
+
+    return Soak(
+        minutes=[rate(started + m * MINUTE, started + (m + 1) * MINUTE) for m in range(round(seconds / MINUTE))],
+        compute_first=compute_rate(0.0),
+        compute_last=compute_rate(seconds - MINUTE),
+        resident_first=after_first_minute[0],
+        tier_first=after_first_minute[1],
+        resident_end=resident_bytes(server.proc.pid),
+        tier_end=host_tier_bytes(server),
+        requests=len(done),
+        failed=len(failures),
+    )
 
 
 def oversubscribed(url: str, requests: int, prompt: int, output: int) -> tuple[float, int]:
@@ -145,51 +195,62 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
     print(f"  {control}", flush=True)
     theirs = None
     if peer is not None:
-        print("sustained: llama-server, the same load for its memory", flush=True)
+        print(f"sustained: llama-server, the same {minutes} minutes", flush=True)
         with LlamaServer(peer, model, root / "soak-llama-server", lanes, window, threads) as server:
-            theirs = soak(server, (1 if quick else 2) * MINUTE)
+            theirs = soak(server, minutes * MINUTE)
         print(f"  {theirs}", flush=True)
     mib = 2**20
-    growth = (mine["resident_end"] - mine["tier_end"]) / (mine["resident_first"] - mine["tier_first"])
+    growth = (mine.resident_end - mine.tier_end) / (mine.resident_first - mine.tier_first)
     results = [
         Result(
             "soak, eight clients: tok/s in the last minute / the first",
-            mine["last"] / mine["first"],
+            mine.last / mine.first,
             ">= 0.95, none failed",
-            mine["last"] / mine["first"] >= 0.95 and not mine["failed"],
-            f"{mine['last']:.1f} tok/s vs {mine['first']:.1f} tok/s over {minutes} minutes, "
-            f"{mine['requests']:.0f} requests, {mine['failed']:.0f} failed",
+            mine.last / mine.first >= 0.95 and not mine.failed,
+            f"{mine.last:.1f} tok/s vs {mine.first:.1f} tok/s; each minute {mine.rates()}; "
+            f"{mine.requests} requests, {mine.failed} failed",
             "x",
             "the first minute",
             "higher",
-            rounds={"first minute tok/s": [mine["first"]], "last minute tok/s": [mine["last"]]},
+            rounds={"tok/s by minute": mine.minutes},
+        ),
+        Result(
+            "soak: tokens per second of llama.cpp compute in the last minute / the first",
+            mine.compute_last / mine.compute_first,
+            "(reported)",
+            True,
+            f"{mine.compute_last:.0f} vs {mine.compute_first:.0f}, the same shapes all soak long: what the last "
+            f"minute lost in llama.cpp itself; a fresh daemon right after: {control.compute_first:.0f}",
+            "x",
+            "the first minute",
+            "higher",
+            rounds={"soak's first, last; fresh daemon": [mine.compute_first, mine.compute_last, control.compute_first]},
         ),
         Result(
             "soak: tok/s in the last minute / a fresh daemon's first minute right after",
-            mine["last"] / control["first"],
+            mine.last / control.first,
             "(reported)",
             True,
-            f"{mine['last']:.1f} tok/s vs {control['first']:.1f} tok/s: the machine's speed then, without the "
-            "soak's history",
+            f"{mine.last:.1f} tok/s vs {control.first:.1f} tok/s: the machine's speed then, without the soak's history",
             "x",
             "a fresh daemon",
             "higher",
-            rounds={"last minute tok/s": [mine["last"]], "fresh daemon tok/s": [control["first"]]},
+            rounds={"last minute tok/s": [mine.last], "fresh daemon tok/s": [control.first]},
         ),
         Result(
             "soak: daemon and workers' memory but the host KV tier, at the end / after the first minute",
             growth,
             "<= 1.05",
             growth <= 1.05,
-            f"{(mine['resident_end'] - mine['tier_end']) / mib:.0f} MiB vs "
-            f"{(mine['resident_first'] - mine['tier_first']) / mib:.0f} MiB; with the tier "
-            f"{mine['resident_end'] / mib:.0f} MiB vs {mine['resident_first'] / mib:.0f} MiB",
+            f"{(mine.resident_end - mine.tier_end) / mib:.0f} MiB vs "
+            f"{(mine.resident_first - mine.tier_first) / mib:.0f} MiB; with the tier "
+            f"{mine.resident_end / mib:.0f} MiB vs {mine.resident_first / mib:.0f} MiB",
             "x",
             "after the first minute",
             "lower",
             rounds={
-                "MiB": [mine["resident_first"] / mib, mine["resident_end"] / mib],
-                "host tier MiB": [mine["tier_first"] / mib, mine["tier_end"] / mib],
+                "MiB": [mine.resident_first / mib, mine.resident_end / mib],
+                "host tier MiB": [mine.tier_first / mib, mine.tier_end / mib],
             },
         ),
     ]
@@ -197,31 +258,45 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
         results.append(
             Result(
                 "soak, eight clients: tok/s in the first minute / llama-server's",
-                mine["first"] / theirs["first"],
+                mine.first / theirs.first,
                 "(reported)",
                 True,
-                f"{mine['first']:.1f} tok/s vs {theirs['first']:.1f} tok/s (llama-server: {theirs['failed']:.0f} "
+                f"{mine.first:.1f} tok/s vs {theirs.first:.1f} tok/s (llama-server: {theirs.failed} "
                 "requests cut by its connection handling)",
                 "x",
                 "llama-server",
                 "higher",
-                rounds={"superfluid tok/s": [mine["first"]], "llama-server tok/s": [theirs["first"]]},
+                rounds={"superfluid tok/s": [mine.first], "llama-server tok/s": [theirs.first]},
             )
         )
-        over = (mine["resident_end"] - mine["tier_end"] - theirs["resident_end"]) / mib
+        results.append(
+            Result(
+                "soak: llama-server's tok/s in its last minute / its first",
+                theirs.last / theirs.first,
+                "(reported)",
+                True,
+                f"{theirs.last:.1f} tok/s vs {theirs.first:.1f} tok/s; each minute {theirs.rates()}: the same soak, "
+                "another server, on the machine superfluid's ran on",
+                "x",
+                "its first minute",
+                "higher",
+                rounds={"tok/s by minute": theirs.minutes},
+            )
+        )
+        over = (mine.resident_end - mine.tier_end - theirs.resident_end) / mib
         results.append(
             Result(
                 "soak: memory but the host KV tier, over llama-server's at the same lanes and context (MiB)",
                 over,
                 "<= 200",
                 over <= 200,
-                f"{(mine['resident_end'] - mine['tier_end']) / mib:.0f} MiB (and {mine['tier_end'] / mib:.0f} MiB "
-                f"of host tier) vs {theirs['resident_end'] / mib:.0f} MiB",
+                f"{(mine.resident_end - mine.tier_end) / mib:.0f} MiB (and {mine.tier_end / mib:.0f} MiB "
+                f"of host tier) vs {theirs.resident_end / mib:.0f} MiB",
                 "MiB",
                 rounds={
-                    "superfluid MiB": [mine["resident_end"] / mib],
-                    "superfluid host tier MiB": [mine["tier_end"] / mib],
-                    "llama-server MiB": [theirs["resident_end"] / mib],
+                    "superfluid MiB": [mine.resident_end / mib],
+                    "superfluid host tier MiB": [mine.tier_end / mib],
+                    "llama-server MiB": [theirs.resident_end / mib],
                 },
             )
         )
