@@ -85,7 +85,7 @@ ifneq ($(GPU_BUILD),)
 FAST_CMAKE_ARGS += $(GPU_CMAKE_ARGS)
 endif
 
-.PHONY: serve test unit typecheck bench peers system-packages agents clean
+.PHONY: serve test unit typecheck bench peers patches-id system-packages agents clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile $(wildcard scripts/patches/*.patch)
 	$(PYTHON) -m venv $(VENV)
@@ -135,6 +135,10 @@ bench: $(STAMP) peers
 	$(BIN)/python bench/run.py --peers $(PEERS)
 
 peers: $(PEERS)/fast/bin/llama-server $(PEERS)/exact/bin/llama-batched-bench
+
+# the id of scripts/patches in the peers' directory name (bench/arm64_exactness.sh finds the patched source by it)
+patches-id:
+	@echo $(PATCHES_ID)
 
 $(PEERS)/fast/bin/llama-server: | $(STAMP)
 	scripts/build_llama_cpp.sh $(BIN)/pip $(PEERS) $(LLAMA_VERSION) fast "$(FAST_CMAKE_ARGS)" llama-server llama-batched-bench

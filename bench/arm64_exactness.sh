@@ -26,8 +26,8 @@ shift || true
 dir=${ARM64_DIR:-/tmp/superfluid-arm64}
 cpu=${ARM64_CPU:-neoverse-v1}
 python=$PWD/.venv/bin/python
-# the source `make` patched with scripts/patches as they are now (the Makefile's PATCHES_ID names its directory)
-patches_id=$(cat scripts/patches/*.patch | md5sum | cut -c1-6)
+# the source `make` patched with scripts/patches as they are now (their id names its directory)
+patches_id=$(make -s --no-print-directory patches-id)
 source_dir=$(ls -d "$HOME"/.cache/superfluid/peers/*-"$patches_id"-*/src/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1)
 [ -x "$python" ] && [ -d "$source_dir" ] || { echo "run make first: it builds .venv and unpacks llama.cpp" >&2; exit 1; }
 case "$build" in  # the wheel's flags on arm64 are the Makefile's (tests/test_packaging.py holds them equal)
