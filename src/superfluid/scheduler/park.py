@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .prefix_cache import common_prefix
+from .prefix_tree import PrefixTree
 
 log = logging.getLogger("superfluid.park")
 
@@ -138,6 +138,7 @@ class Park:
         self.shared = shared  # other daemons write here too
         self._looked = 0.0  # when a shared park last looked for their files
         self.entries: dict[str, ParkedEntry] = {}
+        self._tree: PrefixTree[str] = PrefixTree()  # the entries' tokens by name, for `lookup`
         self.parks = self.resumes = self.refused = 0
         self.passed_over = 0  # states not parked because the writer was PENDING_LIMIT behind
         self._lock = threading.Lock()
@@ -179,7 +180,8 @@ class Park:
                 continue
             stat = path.stat()
             with self._lock:
-                self.entries.setdefault(path.name, ParkedEntry(path, tokens, stat.st_size, stat.st_mtime))
+                if path.name not in self.entries:
+                    self._hold(ParkedEntry(path, tokens, stat.st_size, stat.st_mtime))
 
     def _drop_temporary(self, path: Path) -> None:
         """Remove a temporary file a crash interrupted: any, in a park of one daemon's own; in a shared one,
@@ -287,9 +289,19 @@ class Park:
         finally:
             os.close(directory)
         with self._lock:
-            self.entries[name] = ParkedEntry(path, tokens, path.stat().st_size, time.time())
+            self._hold(ParkedEntry(path, tokens, path.stat().st_size, time.time()))
             self.parks += 1
         self._trim()
+
+    def _hold(self, entry: ParkedEntry) -> None:
+        """Index a parked file (the caller holds the lock)."""
+        self.entries[entry.path.name] = entry
+        self._tree.add(entry.path.name, entry.tokens)
+
+    def _let_go(self, name: str) -> ParkedEntry | None:
+        """Forget a parked file's entry, if it has one (the caller holds the lock)."""
+        self._tree.remove(name)
+        return self.entries.pop(name, None)
 
     def _trim(self) -> None:
         """Least recently used files go first beyond the budget."""
@@ -297,10 +309,12 @@ class Park:
             return
         with self._lock:
             total = sum(e.size for e in self.entries.values())
+            if total <= self.budget:
+                return  # most writes: no need to order thousands of entries
             for entry in sorted(self.entries.values(), key=lambda e: e.used):
                 if total <= self.budget:
                     break
-                del self.entries[entry.path.name]
+                self._let_go(entry.path.name)
                 entry.path.unlink(missing_ok=True)
                 total -= entry.size
 
@@ -316,13 +330,9 @@ class Park:
         return found
 
     def _best(self, tokens: np.ndarray, limit: int) -> tuple[ParkedEntry, int] | None:
-        best: tuple[ParkedEntry, int] | None = None
         with self._lock:
-            for entry in self.entries.values():
-                length = min(common_prefix(tokens, entry.tokens), limit)
-                if length > 0 and (best is None or length > best[1]):
-                    best = (entry, length)
-        return best
+            found = self._tree.longest(tokens, limit)
+            return None if found is None else (self.entries[found[0]], found[1])
 
     def read(self, entry: ParkedEntry) -> builtins.bytes | None:
         """The state of a parked entry; None (the file deleted, counted) when it fails a check."""
@@ -350,5 +360,5 @@ class Park:
 
     def _forget(self, entry: ParkedEntry, why: str) -> None:
         with self._lock:
-            self.entries.pop(entry.path.name, None)
+            self._let_go(entry.path.name)
         self._refuse(entry.path, why)

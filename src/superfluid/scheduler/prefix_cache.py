@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
+from .prefix_tree import PrefixTree, common_prefix
 
 
 @dataclass
@@ -75,16 +68,17 @@ class HostCache:
         self.entries: OrderedDict[int, HostEntry] = OrderedDict()
         self.bytes = 0
         self._ids = 0
+        self._tree: PrefixTree[int] = PrefixTree()
 
     def add(self, tokens: np.ndarray, state: bytes) -> None:
         if len(state) > self.budget:
             self.on_drop(tokens, state)
             return
-        for key, entry in list(self.entries.items()):
-            if common_prefix(entry.tokens, tokens) == len(entry.tokens):
-                self._drop(key)  # the new export extends it
+        for key in self._tree.prefixes_of(tokens):
+            self._drop(key)  # the new export extends it
         self._ids += 1
         self.entries[self._ids] = HostEntry(tokens, state)
+        self._tree.add(self._ids, tokens)
         self.bytes += len(state)
         while self.bytes > self.budget:
             dropped = self.entries[next(iter(self.entries))]
@@ -93,18 +87,16 @@ class HostCache:
 
     def lookup(self, tokens: np.ndarray, limit: int) -> tuple[HostEntry, int] | None:
         """The entry sharing the longest prefix with `tokens` (at most `limit` of them)."""
-        best: tuple[int, HostEntry, int] | None = None
-        for key, entry in self.entries.items():
-            length = min(common_prefix(tokens, entry.tokens), limit)
-            if length > 0 and (best is None or length > best[2]):
-                best = (key, entry, length)
-        if best is None:
+        found = self._tree.longest(tokens, limit)
+        if found is None:
             return None
-        self.entries.move_to_end(best[0])
-        return best[1], best[2]
+        key, length = found
+        self.entries.move_to_end(key)
+        return self.entries[key], length
 
     def _drop(self, key: int) -> None:
         self.bytes -= len(self.entries.pop(key).state)
+        self._tree.remove(key)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -63,7 +63,7 @@ from .job import Job, Lane
 from .kv_tiers import KVTiers
 from .pace import STEP_TARGET_S, Pace
 from .park import Park
-from .prefix_cache import common_prefix
+from .prefix_tree import common_prefix
 from .speculate import SpecPolicy, SpecSettings
 from .stats import QOS_CLASSES, TIERS, SchedulerStats
 
