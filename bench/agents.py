@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -36,7 +37,9 @@ from record import Result
 
 from superfluid.model.resolve import embedded_model
 
-CLAUDE = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin" / "claude"
+# the Claude Code `make test` installs, else one on PATH
+AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
+CLAUDE = shutil.which("claude", path=os.pathsep.join([str(AGENT_BIN), os.environ.get("PATH", "")]))
 LEAN = ["--tools", "Read,Bash", "--output-format", "json", "-p"]
 QUESTIONS = ("What does a harbour master do?", "Name three rivers in Peru.")
 ROUNDS = 3
@@ -85,7 +88,7 @@ def claude_requests() -> list[dict]:
         }
         for question in QUESTIONS:
             Recorder.bodies = []
-            subprocess.run([str(CLAUDE), *LEAN, question], env=env, cwd=home, capture_output=True, timeout=300)
+            subprocess.run([CLAUDE, *LEAN, question], env=env, cwd=home, capture_output=True, timeout=300)
             turns.append(next(body for body in Recorder.bodies if body.get("tools")))
     server.shutdown()
     return turns
@@ -112,7 +115,7 @@ def first_token(url: str, body: dict) -> tuple[float, dict]:
 
 def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int, rounds: int | None = None) -> list[Result]:
     """Warm over cold on superfluid, and each over llama-server's; `rounds` turns (1 when quick, else ROUNDS)."""
-    if not CLAUDE.exists():
+    if CLAUDE is None:
         print("agents: Claude Code is not installed (make test installs it into .venv/agents); skipped", flush=True)
         return []
     systems: dict[str, Callable[[str], Server]] = {

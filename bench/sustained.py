@@ -5,11 +5,12 @@
   workers at the end against after the first minute, and against llama-server's after the same
   soak. Superfluid's host KV tier fills with the evicted prefixes of finished requests up to
   `--host-cache-mb` (a quarter of RAM, at most 2 GiB): that is a cache the flag bounds, not
-  growth, so the memory figures leave it out and say how large it was. A fresh daemon then takes the same load for a minute: the
-  soak's last minute against it tells a daemon that slowed from a machine that did. Two more gauges
-  tell them apart: the tokens superfluid's worker makes per second of llama.cpp compute (the same
-  shapes all soak long: a drop there is llama.cpp running slower, not the daemon serving it less),
-  and llama-server's own last minute against its first over a soak as long.
+  growth, so the memory figures leave it out and say how large it was. A fresh daemon then takes
+  the same load for a minute: the soak's last minute against it tells a daemon that slowed from a
+  machine that did. Two more gauges tell them apart: the tokens superfluid's worker makes per
+  second of llama.cpp compute (the same shapes all soak long: a drop there is llama.cpp running
+  slower, not the daemon serving it less), and llama-server's own last minute against its first
+  over a soak as long.
 - oversubscribed: 32 requests of about 900 prompt tokens and 900 forced output tokens on 8 lanes
   of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
   one completes, and the wall against llama-server's at the same lanes and context, and against
