@@ -20,6 +20,7 @@ from ..config import ServeConfig
 from ..core.daemon import Daemon
 from ..core.runtime import Models
 from ..engine.devices import describe
+from ..engine.heap import map_large_blocks
 from ..logsetup import LogPane
 from ..metrics import Metrics
 from ..store.leases import LeaseTiming, daemon_id
@@ -81,6 +82,7 @@ async def serve(config: ServeConfig, pane: LogPane | None = None) -> int:
     # The scheduler thread must get the GIL back quickly between two decodes; the default
     # 5 ms hand-over would let a busy transport thread stall the whole batch.
     sys.setswitchinterval(0.0005)
+    map_large_blocks()  # a KV state the host tier lets go of goes back to the system
     imports = _import_http(otlp.modules if otlp is not None else ())
     models = Models(config)
     refs: list[str | None] = [*config.models] or [None]  # None: the embedded model

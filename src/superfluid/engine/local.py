@@ -26,9 +26,10 @@ import numpy as np
 
 from .drafting import PLAIN_EVERY, Acceptance, Arm, Candidate, DecodeTimes, Drafter, Match, PromptLookup, plan
 from .grammar import Grammar
+from .heap import keep_heap_slack
 from .interface import DeviceReport, Draw, EngineError, KVFull, Step, StepInterrupted
 from .llama import EmbeddingContext, LlamaContext
-from .sampling import keep_heap_slack, sample
+from .sampling import sample
 from .shaping import Shaper, Shaping, log_softmax_row
 
 T = TypeVar("T")

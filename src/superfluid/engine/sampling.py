@@ -13,29 +13,12 @@ model's peaked row, or, on a flat row, the buckets of weights its cut and its dr
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from ..protocol.schema import GenParams
 
 MASK64 = (1 << 64) - 1
 FIRST_LOOK = 64  # the heaviest tokens sorted first: a model's peaked row draws among them
-
-
-# glibc's mallopt(M_TOP_PAD): freed memory the heap keeps at its top. A sampled row's temporaries (a
-# 49,152-token row's weights and bucket numbers, 0.2-0.4 MB each) would otherwise be handed back to the
-# system when freed and fault their pages in again at the next token: with 4 MiB kept, the sampler took
-# 0.16-0.31 ms a row of a random 0.7B model's logits against 0.40-0.55 ms.
-M_TOP_PAD = -2
-TOP_PAD = 4 << 20
-
-
-def keep_heap_slack() -> None:
-    """Have this process's heap keep `TOP_PAD` of freed memory (glibc only; elsewhere nothing changes)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(M_TOP_PAD, TOP_PAD)
 
 
 def splitmix64(x: int) -> int:
