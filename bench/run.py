@@ -1137,6 +1137,11 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="the http section's GGUF (default: the embedded model)")
     parser.add_argument("--gpu-layers", metavar="N|all", help="the http section's layers on the GPU, in both systems")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the figures go (default: %(default)s)")
+    parser.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="keep the daemons' sessions, parks and logs after the run (several GB a section; removed by default)",
+    )
     args = parser.parse_args()
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -1146,13 +1151,19 @@ def main() -> int:
     if args.model is not None or args.gpu_layers:
         settings.update(model=args.model.name if args.model else None, gpu_layers=args.gpu_layers)
     results: list[Result] = []
-    for section in [args.only] if args.only else SECTIONS:
-        began = time.monotonic()
-        rows = RUNNERS[section](run)
-        if rows:  # a section that measured nothing (a peer or a tool missing) keeps its last file
-            save(section, rows, settings, args.results)
-        print(f"{section}: {time.monotonic() - began:.0f} s", flush=True)
-        results += rows
+    try:
+        for section in [args.only] if args.only else SECTIONS:
+            began = time.monotonic()
+            rows = RUNNERS[section](run)
+            if rows:  # a section that measured nothing (a peer or a tool missing) keeps its last file
+                save(section, rows, settings, args.results)
+            print(f"{section}: {time.monotonic() - began:.0f} s", flush=True)
+            results += rows
+    finally:
+        if args.keep_state:
+            print(f"the daemons' state is kept in {run.root}", flush=True)
+        else:
+            shutil.rmtree(run.root, ignore_errors=True)
     print()
     report(results)
     return 0 if all(r.passed for r in results) else 1
