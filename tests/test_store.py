@@ -13,7 +13,7 @@ from superfluid.protocol.schema import EventBody, EventMsg, GenParams, PurgeMode
 from superfluid.protocol.wal import MAGIC, WalCorrupt, encode_record, read_log
 from superfluid.store.log import SessionLog, StoreLocked
 from superfluid.store.postgres import PostgresLog
-from superfluid.store.sessions import SessionStore
+from superfluid.store.sessions import RESIDENT_SESSIONS, SessionStore
 from superfluid.store.sqlite import SqliteLog
 from superfluid.store.state import SessionState, SessionTable
 
@@ -46,23 +46,25 @@ def view(s: SessionState) -> tuple:
 
 def snapshot(store: SessionStore) -> dict:
     """Every session of the store, each loaded (and fenced) as a daemon serving it would."""
-    for session_id in store.log.sessions():
-        store.get(session_id)
-    return {sid: view(s) for sid, s in store.table.sessions.items()}
+    return {sid: view(s) for sid in store.log.sessions() if (s := store.get(sid)) is not None}
 
 
 class Stores:
-    """Opens the store of one test again and again, as restarts do, on SQLite or PostgreSQL."""
+    """Opens the store of one test again and again, as restarts do, on SQLite or PostgreSQL, each
+    keeping at most `resident` sessions in memory."""
 
     def __init__(self, directory: Path, url: str | None) -> None:
         self.directory, self.url = directory, url
+        self.resident = RESIDENT_SESSIONS
 
     def log(self) -> SessionLog:
         # one daemon name for every opening: each is this test's daemon started again, taking its sessions back
         return PostgresLog(self.url, daemon="test") if self.url else SqliteLog(self.directory)
 
     def open(self) -> SessionStore:
-        return SessionStore(self.directory, self.log())
+        store = SessionStore(self.directory, self.log())
+        store.resident = self.resident
+        return store
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -115,9 +117,12 @@ def test_commit_then_replay_gives_the_same_state(stores: Stores) -> None:
     assert lazy == replayed(stores)
 
 
-def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(stores: Stores) -> None:
-    """Forks of forks, rebases, purges of both kinds, reroots, pins and QoS, in a random order."""
+@pytest.mark.parametrize("resident", [RESIDENT_SESSIONS, 4])
+def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(stores: Stores, resident: int) -> None:
+    """Forks of forks, rebases, purges of both kinds, reroots, pins and QoS, in a random order; with
+    room in memory for all, or for 4 (each other one replayed from the log when next used)."""
     rng = random.Random(7)
+    stores.resident = resident
     store = stores.open()
     for _ in range(400):
         live = [s for s in store.live() if not s.purged]
@@ -163,6 +168,7 @@ def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(stores: Stor
         if rng.random() < 0.03:  # a restart now and then: what was in memory is read again, lazily
             store.close()
             store = stores.open()
+    assert len(store.table.sessions) <= resident
     store.close()
     again = stores.open()
     pins = {s.id for s in again.pinned()}
@@ -171,6 +177,42 @@ def test_a_session_loaded_when_first_used_is_the_whole_log_replayed(stores: Stor
     count = again.count()
     again.close()
     assert lazy == replayed(stores) and count == len(lazy) > 50
+
+
+def test_sessions_past_the_resident_ones_are_dropped_and_replayed_when_next_used(stores: Stores) -> None:
+    """Dropped from memory, a session is listed as it was, read whole, fenced only once in a run, and
+    forked from; a busy one stays."""
+    store = stores.open()
+    old = store.reserve_id()
+    store.commit([(old, B.Created(None, P)), (old, B.Message(1, "of the run before", [7, 8]))])
+    store.close()
+    stores.resident = 4
+    store = stores.open()
+    store.busy = lambda session: session == busy
+    busy = store.reserve_id()
+    store.commit([(busy, B.Created(None, P))])
+    kept = store.get(busy)
+    assert kinds(store.get(old)) == ["Created", "Message", "EpochBump"] and store.fenced == 1
+    chats = []
+    for n in range(12):
+        chat = store.reserve_id()
+        store.commit([(chat, B.Created(None, P)), (chat, B.Message(1, f"chat {n}", [n, n + 1]))])
+        store.commit([(chat, B.MetaUpdated(1, f"title {n}", None))])
+        chats.append(chat)
+    assert len(store.table.sessions) <= 4 and store.table.sessions[busy] is kept
+    assert old not in store.table.sessions and chats[0] not in store.table.sessions
+    lines = store.summaries()
+    assert [line.id for line in lines] == [old, busy, *chats]
+    assert [line.title for line in lines[2:]] == [f"title {n}" for n in range(12)]
+    assert [len(s.events) for s in store.live()] == [line.events for line in lines] == [3, 1] + [3] * 12
+    assert kinds(store.get(old)) == ["Created", "Message", "EpochBump"] and store.fenced == 1, "fenced once"
+    fork = store.reserve_id()
+    store.commit([(fork, B.Forked(chats[0], 2, P)), (fork, B.Appended(None, [99]))])
+    assert store.get(fork).tokens == [0, 1, 99]  # type: ignore[union-attr]
+    assert store.get(chats[0]).children == [fork]  # type: ignore[union-attr]
+    lazy = snapshot(store)
+    store.close()
+    assert lazy == replayed(stores)
 
 
 def test_a_log_of_schema_version_1_gets_its_lineage_rebuilt(tmp_path: Path) -> None:

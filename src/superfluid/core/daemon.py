@@ -73,6 +73,7 @@ class Daemon(SessionVerbs, GenerationVerbs, ToolVerbs, MediaVerbs, AdminVerbs):
         self.generations = Generations(store, self._release, metrics)
         self.remote = RemoteCommits(store, self.bus)
         store.on_commit = self.bus.publish  # the EpochBump of a session taken back
+        store.busy = self.running.__contains__  # a generating session stays in memory
         models.on_load = self._attach
         self._purging: set[int] = set()
         self._completions: OrderedDict[tuple[str, str, int, int], tuple[str, list[int]]] = OrderedDict()

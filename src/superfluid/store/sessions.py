@@ -2,8 +2,10 @@
 
 Opening a store reads nothing of the log, so a daemon starts as fast on a million events
 as on none. A session is replayed from its own records when it is first used (a fork's
-beginning from its parent's records before the fork), kept in memory from then on, and
-fenced at once: a session of an earlier run gets its `EpochBump` when this run loads it.
+beginning from its parent's records before the fork), kept in memory while it is among the
+`resident` most recently used, and fenced at once: a session of an earlier run gets its
+`EpochBump` when this run first loads it. One dropped from memory is replayed again when next
+used; until then a listing shows the line it had.
 `commit` stamps records with their ids, epoch and time, writes them in one fsynced
 transaction, then applies them to the in-memory table: a record is in memory (and so
 visible to anyone) only once it is on disk.
@@ -17,13 +19,14 @@ from the log when next used.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..protocol.schema import EventBody, EventMsg
+from ..protocol.schema import EventBody, EventMsg, SessionSummary
 from ..protocol.wal import read_log
 from .leases import LeaseLost, Leases, SessionElsewhere
 from .log import Record, SessionLog
@@ -34,6 +37,10 @@ B = EventBody
 log = logging.getLogger("superfluid.store")
 # The reference daemon's log file; a sessions directory holding one is imported at first open.
 REFERENCE_LOG = "wal.log"
+# Sessions kept in memory once used. Every HTTP chat is a session, and one of a short chat holds
+# 8.5 KB (tracemalloc): kept for good, the bench's ten-minute soak grew the daemon by 12 KB a
+# request. Past this many, the least recently used are dropped down to three quarters of it.
+RESIDENT_SESSIONS = 256
 
 
 def now_ms() -> int:
@@ -49,6 +56,11 @@ class SessionStore:
         self.directory = directory
         self.log = log if log is not None else SqliteLog(directory)
         self.table = SessionTable()
+        self.resident = RESIDENT_SESSIONS
+        self.busy: Callable[[int], bool] = lambda session: False  # sessions never dropped (generating)
+        # sessions this run dropped from memory (fenced already), each with its line in a listing (None: purged)
+        self._dropped: dict[int, SessionSummary | None] = {}
+        self._uses = itertools.count(1)
         self.views: dict[int, SessionState] = {}  # on a shared log: sessions read, not served here
         self.on_commit: Callable[[int, list[EventMsg]], None] = lambda session, events: None  # what the store writes
         if self.log.leases is not None:
@@ -91,6 +103,8 @@ class SessionStore:
             with self.lock:
                 self._load([session_id])
                 state = self.table.sessions.get(session_id)
+        if state is not None:
+            state.last_used = next(self._uses)
         return state
 
     def view(self, session_id: int) -> SessionState | None:
@@ -109,9 +123,8 @@ class SessionStore:
         for session_id in session_ids:
             state = self.table.sessions.get(session_id) or self.views.get(session_id)
             if state is None:
-                state = self._replay(session_id)
+                state = self._read(session_id)
                 if state is not None:
-                    state.children = self.log.children_of(session_id)
                     self.views[session_id] = state
             if state is not None:
                 found[session_id] = state
@@ -125,16 +138,34 @@ class SessionStore:
             self.views.pop(session_id, None)
 
     def live(self) -> list[SessionState]:
-        """Sessions not purged, in id order (every session of the log is loaded for it, or on a shared
-        log replayed to read)."""
+        """Sessions not purged, in id order: those in memory as they are, the others replayed to read."""
         if self.leases is not None:
             return [s for _, s in sorted(self._viewed(self.log.sessions()).items()) if not s.purged]
+        with self.lock:
+            self._load_all()
+            found = dict(self.table.sessions)
+            for session_id, line in self._dropped.items():
+                state = self._read(session_id) if line is not None else None
+                if state is not None:
+                    found[session_id] = state
+        return [s for _, s in sorted(found.items()) if not s.purged]
+
+    def summaries(self) -> list[SessionSummary]:
+        """A line for each session not purged, in id order (a session dropped from memory is not replayed)."""
+        if self.leases is not None:
+            return [s.summary() for s in self.live()]
+        with self.lock:  # a session moves between memory and `_dropped` under it
+            self._load_all()
+            lines = {i: s.summary() for i, s in self.table.sessions.items() if not s.purged}
+            lines.update((i, line) for i, line in self._dropped.items() if line is not None)
+        return [lines[i] for i in sorted(lines)]
+
+    def _load_all(self) -> None:
+        """Every session of the log in memory or dropped from it, once (alone on its log, this daemon sees
+        every later session come through its own commits)."""
         if not self._all_loaded:
-            with self.lock:
-                self._load(self.log.sessions())
-                # alone on its log, this daemon sees every later session come through its own commits
-                self._all_loaded = True
-        return [s for _, s in sorted(list(self.table.sessions.items())) if not s.purged]
+            self._load([i for i in self.log.sessions() if i not in self._dropped])
+            self._all_loaded = True
 
     def pinned(self) -> list[SessionState]:
         """Live sessions whose pin has not run out (on a shared log, read without taking them: any
@@ -147,6 +178,7 @@ class SessionStore:
         with self.lock:
             for session_id in session_ids:
                 self.table.sessions.pop(session_id, None)
+                self._dropped.pop(session_id, None)
             if self.leases is not None:
                 self.leases.forget(session_ids)
 
@@ -164,19 +196,42 @@ class SessionStore:
                 if self.leases is not None:
                     moved = self.leases.take(session_id)  # before the replay: nobody else writes to it after
                     self.views.pop(session_id, None)
-                state = self._replay(session_id)
+                state = self._read(session_id)
                 if state is None:
                     if self.leases is not None:
                         self.leases.release_one(session_id)  # no such session: nothing to hold
                     continue
-                state.children = self.log.children_of(session_id)
+                state.last_used = next(self._uses)
                 self.table.sessions[session_id] = state
-                if moved and not state.purged:
+                fenced_already = self._dropped.pop(session_id, False) is not False  # this run dropped it
+                if moved and not state.purged and not fenced_already:
                     fenced.append(state)
         events = self.commit([(s.id, B.EpochBump()) for s in fenced])
         for state, event in zip(fenced, events, strict=True):
             self.on_commit(state.id, [event])
         self.fenced += len(fenced)
+
+    def _trim(self) -> None:
+        """Past `resident` sessions in memory, drop the least recently used that are not busy, down to
+        three quarters of it (so that a trim is not paid at every commit)."""
+        sessions = self.table.sessions
+        if len(sessions) <= self.resident:
+            return
+        excess = len(sessions) - self.resident * 3 // 4
+        for state in sorted(sessions.values(), key=lambda s: s.last_used):
+            if excess == 0:
+                break
+            if not self.busy(state.id):
+                self._dropped[state.id] = None if state.purged else state.summary()
+                del sessions[state.id]
+                excess -= 1
+
+    def _read(self, session_id: int) -> SessionState | None:
+        """A session replayed from the log, with its children."""
+        state = self._replay(session_id)
+        if state is not None:
+            state.children = self.log.children_of(session_id)
+        return state
 
     def _replay(self, session_id: int, before: int | None = None) -> SessionState | None:
         """A session from its own records (those before `before` only, if given); None if it has none.
@@ -244,6 +299,10 @@ class SessionStore:
                 raise
             for record in records:
                 self.table.apply(record.session, record.event)
+            used = next(self._uses)
+            for session_id in pending:
+                self.table.sessions[session_id].last_used = used
+            self._trim()
             return [r.event for r in records]
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from ..protocol.schema import (
     EventMsg,
     GenParams,
     LedgerEntry,
+    SessionSummary,
 )
 
 B = EventBody
@@ -78,10 +79,27 @@ class SessionState:
     batch_invariant: bool = False
     pin_deadline_unix_ms: int = 0
     children: list[int] = field(default_factory=list)
+    # the store's bookkeeping, not the log's: when this daemon last used the session (least recent goes first)
+    last_used: int = field(default=0, compare=False)
 
     @property
     def next_id(self) -> int:
         return len(self.events)
+
+    def summary(self) -> SessionSummary:
+        """The session's line in a listing."""
+        return SessionSummary(
+            self.id,
+            self.parent,
+            self.base,
+            self.title,
+            self.archived,
+            self.meta_version,
+            self.generation,
+            len(self.events),
+            len(self.tokens),
+            len(self.open_calls),
+        )
 
     def inherit(self, events: list[EventMsg]) -> None:
         """Take `events` (a parent's first events) as this session's own beginning.

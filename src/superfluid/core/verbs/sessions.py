@@ -27,7 +27,6 @@ from ...protocol.schema import (
     RebaseEdit,
     Request,
     Response,
-    SessionSummary,
     Tier,
 )
 from ...store.state import SessionState
@@ -114,34 +113,18 @@ class SessionVerbs(DaemonBase):
         return Response.Events(state.events[req.cursor :])
 
     def _list(self, req: R.List) -> Response:
-        return Response.Sessions([s.id for s in self.store.live()])
+        return Response.Sessions([s.id for s in self.store.summaries()])
 
     def _sessions(self, req: R.Sessions) -> Response:
-        return Response.SessionList(
-            [self._summary(s) for s in self.store.live() if req.include_archived or not s.archived]
-        )
+        return Response.SessionList([s for s in self.store.summaries() if req.include_archived or not s.archived])
 
     def _tree(self, req: R.Tree) -> Response:
-        return Response.Tree([(s.id, s.parent, s.base) for s in self.store.live() if not s.archived])
-
-    def _summary(self, s: SessionState) -> SessionSummary:
-        return SessionSummary(
-            s.id,
-            s.parent,
-            s.base,
-            s.title,
-            s.archived,
-            s.meta_version,
-            s.generation,
-            len(s.events),
-            len(s.tokens),
-            len(s.open_calls),
-        )
+        return Response.Tree([(s.id, s.parent, s.fork_at) for s in self.store.summaries() if not s.archived])
 
     def _inspect(self, req: R.Inspect) -> Response:
         s = self._session(req.session)
         inspection = Inspection(
-            summary=self._summary(s),
+            summary=s.summary(),
             params=s.params,
             epoch=s.epoch,
             last_finish=s.last_finish,
