@@ -8,9 +8,9 @@
   growth, so the memory figures leave it out and say how large it was. A fresh daemon then takes
   the same load for a minute: the soak's last minute against it tells a daemon that slowed from a
   machine that did. Two more gauges tell them apart: the tokens superfluid's worker makes per
-  second of llama.cpp compute (the same shapes all soak long: a drop there is llama.cpp running
-  slower, not the daemon serving it less), and llama-server's own last minute against its first
-  over a soak as long.
+  second of wall time inside llama.cpp's steps (the same shapes all soak long: a drop there is
+  llama.cpp running slower, or other threads and processes taking its cores, not the daemon
+  serving it less), and llama-server's own last minute against its first over a soak as long.
 - oversubscribed: 32 requests of about 900 prompt tokens and 900 forced output tokens on 8 lanes
   of 2,048 tokens (16 of 450 and 450 on lanes of 1,024 with --quick), all sent at once: every
   one completes, and the wall against llama-server's at the same lanes and context, and against
@@ -63,22 +63,25 @@ def resident_bytes(pid: int) -> int:
     return total
 
 
-def host_tier_bytes(server: Server) -> int:
-    """The bytes superfluid's host KV tier holds (llama-server has none: 0)."""
-    if not isinstance(server, Superfluid):
-        return 0
-    return int(read_metric(httpx.get(f"{server.url}/metrics").text, "superfluid_host_cache_bytes"))
+@dataclass(frozen=True)
+class EngineReading:
+    """Superfluid's tokens generated so far, the wall seconds its worker spent inside llama.cpp's
+    steps making them and prefilling their prompts, and the bytes its host KV tier holds; all 0 for
+    llama-server, which has no such split and no tier."""
+
+    tokens: float = 0.0
+    compute_seconds: float = 0.0
+    tier_bytes: int = 0
 
 
-def engine_counters(server: Server) -> tuple[float, float]:
-    """Superfluid's tokens generated so far and the seconds its worker spent in llama.cpp making them
-    and prefilling their prompts; (0, 0) for llama-server, which has no such split."""
+def engine_reading(server: Server) -> EngineReading:
     if not isinstance(server, Superfluid):
-        return 0.0, 0.0
+        return EngineReading()
     exposition = httpx.get(f"{server.url}/metrics").text
-    return (
+    return EngineReading(
         read_metric(exposition, "superfluid_generated_tokens_total"),
         read_metric(exposition, "superfluid_worker_compute_seconds_total"),
+        int(read_metric(exposition, "superfluid_host_cache_bytes")),
     )
 
 
@@ -137,12 +140,12 @@ def soak(server: Server, seconds: float, clients: int = 8) -> Soak:
     for thread in threads:
         thread.start()
     # the engine's counters at the first minute's ends and the last's (the same minute in a one-minute soak)
-    counters: dict[float, tuple[float, float]] = {0.0: engine_counters(server)}
+    readings = {0.0: engine_reading(server)}
     for at in sorted({MINUTE, seconds - MINUTE, seconds}):
         time.sleep(max(0.0, started + at - time.monotonic()))
-        counters[at] = engine_counters(server)
+        readings[at] = engine_reading(server)
         if at == MINUTE:
-            after_first_minute = resident_bytes(server.proc.pid), host_tier_bytes(server)
+            resident_first = resident_bytes(server.proc.pid)
     for thread in threads:
         thread.join()
     if failures:
@@ -153,17 +156,18 @@ def soak(server: Server, seconds: float, clients: int = 8) -> Soak:
         return arrived / (until - since)
 
     def compute_rate(since: float) -> float:
-        (tokens_then, compute_then), (tokens_now, compute_now) = counters[since], counters[since + MINUTE]
-        return (tokens_now - tokens_then) / (compute_now - compute_then) if compute_now > compute_then else 0.0
+        then, now = readings[since], readings[since + MINUTE]
+        seconds = now.compute_seconds - then.compute_seconds
+        return (now.tokens - then.tokens) / seconds if seconds > 0 else 0.0
 
     return Soak(
         minutes=[rate(started + m * MINUTE, started + (m + 1) * MINUTE) for m in range(round(seconds / MINUTE))],
         compute_first=compute_rate(0.0),
         compute_last=compute_rate(seconds - MINUTE),
-        resident_first=after_first_minute[0],
-        tier_first=after_first_minute[1],
+        resident_first=resident_first,
+        tier_first=readings[MINUTE].tier_bytes,
         resident_end=resident_bytes(server.proc.pid),
-        tier_end=host_tier_bytes(server),
+        tier_end=engine_reading(server).tier_bytes,
         requests=len(done),
         failed=len(failures),
     )
@@ -220,8 +224,9 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
             mine.compute_last / mine.compute_first,
             "(reported)",
             True,
-            f"{mine.compute_last:.0f} vs {mine.compute_first:.0f}, the same shapes all soak long: what the last "
-            f"minute lost in llama.cpp itself; a fresh daemon right after: {control.compute_first:.0f}",
+            f"{mine.compute_last:.0f} vs {mine.compute_first:.0f}, the same shapes all soak long, by wall time inside "
+            f"llama.cpp's steps (slower kernels, or cores other threads took); "
+            f"a fresh daemon right after: {control.compute_first:.0f}",
             "x",
             "the first minute",
             "higher",

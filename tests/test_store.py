@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from conftest import PostgresCluster
 
 from superfluid.protocol.schema import EventBody, EventMsg, GenParams, PurgeMode
 from superfluid.protocol.wal import MAGIC, WalCorrupt, encode_record, read_log
@@ -213,6 +214,23 @@ def test_sessions_past_the_resident_ones_are_dropped_and_replayed_when_next_used
     lazy = snapshot(store)
     store.close()
     assert lazy == replayed(stores)
+
+
+def test_sessions_read_on_a_shared_log_are_kept_within_the_resident_count(postgres: PostgresCluster) -> None:
+    url = postgres.database()
+    writer = SessionStore(Path("unused"), PostgresLog(url, daemon="writer"))
+    ids = [writer.reserve_id() for _ in range(10)]
+    writer.commit([w for n, i in enumerate(ids) for w in [(i, B.Created(None, P)), (i, B.Appended(None, [n]))]])
+    reader = SessionStore(Path("unused"), PostgresLog(url, daemon="reader"))
+    reader.resident = 4
+    for n, i in enumerate(ids):
+        assert reader.view(i).tokens == [n]  # type: ignore[union-attr]
+        assert len(reader.views) <= 4
+    assert list(reader.views) == ids[-len(reader.views) :], "the oldest read go first"
+    assert [s.tokens for s in reader.live()] == [[n] for n in range(10)]
+    assert reader.table.sessions == {}, "reading takes no session"
+    reader.close()
+    writer.close()
 
 
 def test_a_log_of_schema_version_1_gets_its_lineage_rebuilt(tmp_path: Path) -> None:

@@ -126,6 +126,9 @@ class SessionStore:
                 state = self._read(session_id)
                 if state is not None:
                     self.views[session_id] = state
+                    if len(self.views) > self.resident:  # the oldest read go, down to three quarters
+                        for oldest in list(self.views)[: len(self.views) - self.resident * 3 // 4]:
+                            self.views.pop(oldest, None)
             if state is not None:
                 found[session_id] = state
         return found
