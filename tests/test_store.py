@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,7 @@ def test_sessions_past_the_resident_ones_are_dropped_and_replayed_when_next_used
     assert old not in store.table.sessions and chats[0] not in store.table.sessions
     lines = store.summaries()
     assert [line.id for line in lines] == [old, busy, *chats]
+    assert listed_while_a_writer_holds_the_lock(store) == (lines, True), "a listing takes no lock"
     assert [line.title for line in lines[2:]] == [f"title {n}" for n in range(12)]
     assert [len(s.events) for s in store.live()] == [line.events for line in lines] == [3, 1] + [3] * 12
     assert kinds(store.get(old)) == ["Created", "Message", "EpochBump"] and store.fenced == 1, "fenced once"
@@ -214,6 +216,25 @@ def test_sessions_past_the_resident_ones_are_dropped_and_replayed_when_next_used
     lazy = snapshot(store)
     store.close()
     assert lazy == replayed(stores)
+
+
+def listed_while_a_writer_holds_the_lock(store: SessionStore) -> tuple[list, bool]:
+    """The listing, and whether it came before the writer (holding the store's lock for 10 s) let go."""
+    held, done = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store.lock:
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    held.wait()
+    try:
+        return store.summaries(), thread.is_alive()
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_sessions_read_on_a_shared_log_are_kept_within_the_resident_count(postgres: PostgresCluster) -> None:

@@ -126,8 +126,8 @@ class SessionStore:
                 state = self._read(session_id)
                 if state is not None:
                     self.views[session_id] = state
-                    if len(self.views) > self.resident:  # the oldest read go, down to three quarters
-                        for oldest in list(self.views)[: len(self.views) - self.resident * 3 // 4]:
+                    if len(self.views) > self.resident:  # the oldest read go
+                        for oldest in list(self.views)[: len(self.views) - self.trimmed_to]:
                             self.views.pop(oldest, None)
             if state is not None:
                 found[session_id] = state
@@ -144,7 +144,7 @@ class SessionStore:
         """Sessions not purged, in id order: those in memory as they are, the others replayed to read."""
         if self.leases is not None:
             return [s for _, s in sorted(self._viewed(self.log.sessions()).items()) if not s.purged]
-        with self.lock:
+        with self.lock:  # the dropped ones stay dropped while they are read
             self._load_all()
             found = dict(self.table.sessions)
             for session_id, line in self._dropped.items():
@@ -157,18 +157,23 @@ class SessionStore:
         """A line for each session not purged, in id order (a session dropped from memory is not replayed)."""
         if self.leases is not None:
             return [s.summary() for s in self.live()]
-        with self.lock:  # a session moves between memory and `_dropped` under it
-            self._load_all()
-            lines = {i: s.summary() for i, s in self.table.sessions.items() if not s.purged}
-            lines.update((i, line) for i, line in self._dropped.items() if line is not None)
-        return [lines[i] for i in sorted(lines)]
+        self._load_all()
+        # No lock: a session enters memory or `_dropped` before it leaves the other, so reading memory,
+        # `_dropped`, then memory again finds each one (memory's line being the newer).
+        resident = list(self.table.sessions.items())
+        lines = dict(list(self._dropped.items()))
+        resident += list(self.table.sessions.items())
+        lines.update((i, None if s.purged else s.summary()) for i, s in resident)
+        return [line for _, line in sorted(lines.items()) if line is not None]
 
     def _load_all(self) -> None:
         """Every session of the log in memory or dropped from it, once (alone on its log, this daemon sees
         every later session come through its own commits)."""
         if not self._all_loaded:
-            self._load([i for i in self.log.sessions() if i not in self._dropped])
-            self._all_loaded = True
+            with self.lock:
+                if not self._all_loaded:
+                    self._load([i for i in self.log.sessions() if i not in self._dropped])
+                    self._all_loaded = True
 
     def pinned(self) -> list[SessionState]:
         """Live sessions whose pin has not run out (on a shared log, read without taking them: any
@@ -205,8 +210,9 @@ class SessionStore:
                         self.leases.release_one(session_id)  # no such session: nothing to hold
                     continue
                 state.last_used = next(self._uses)
-                self.table.sessions[session_id] = state
-                fenced_already = self._dropped.pop(session_id, False) is not False  # this run dropped it
+                self.table.sessions[session_id] = state  # in memory before it leaves `_dropped` (`summaries`)
+                fenced_already = session_id in self._dropped  # this run dropped it
+                self._dropped.pop(session_id, None)
                 if moved and not state.purged and not fenced_already:
                     fenced.append(state)
         events = self.commit([(s.id, B.EpochBump()) for s in fenced])
@@ -214,18 +220,23 @@ class SessionStore:
             self.on_commit(state.id, [event])
         self.fenced += len(fenced)
 
+    @property
+    def trimmed_to(self) -> int:
+        """What a trim leaves: three quarters of `resident`, so that one is not paid at every commit."""
+        return self.resident * 3 // 4
+
     def _trim(self) -> None:
         """Past `resident` sessions in memory, drop the least recently used that are not busy, down to
-        three quarters of it (so that a trim is not paid at every commit)."""
+        `trimmed_to`."""
         sessions = self.table.sessions
         if len(sessions) <= self.resident:
             return
-        excess = len(sessions) - self.resident * 3 // 4
+        excess = len(sessions) - self.trimmed_to
         for state in sorted(sessions.values(), key=lambda s: s.last_used):
             if excess == 0:
                 break
             if not self.busy(state.id):
-                self._dropped[state.id] = None if state.purged else state.summary()
+                self._dropped[state.id] = None if state.purged else state.summary()  # before it leaves memory
                 del sessions[state.id]
                 excess -= 1
 
