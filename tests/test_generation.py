@@ -4,7 +4,9 @@ token."""
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 
@@ -12,7 +14,8 @@ from superfluid.core import generation
 from superfluid.core.bus import Provisional
 from superfluid.core.generation import GenerationRun
 from superfluid.model.channels import ChannelSplitter
-from superfluid.protocol.schema import CHANNEL_TEXT, EventMsg, GenParams
+from superfluid.protocol.schema import CHANNEL_TEXT, FINISH_STOP, EventMsg, GenParams
+from superfluid.telemetry.access_log import AccessRecord
 
 WORDS = [f"w{i} ".encode() for i in range(40)]
 
@@ -65,3 +68,33 @@ def test_text_ahead_of_its_commit_goes_out_at_once_then_gathered(monkeypatch: py
     assert listener.texts() == ["w0 ", "w1 w2 w3 w4 w5 w6 ", "w7 "], "a tick's end hands over the rest"
     assert all(item.channel == CHANNEL_TEXT for item in listener.items if isinstance(item, Provisional))
     assert [t for body in bodies for t in body.span] == list(range(8))
+
+
+def test_a_concluded_run_is_freed_by_reference_counts_with_its_job_and_access_record() -> None:
+    # a run's job had the run as its sink, and the access record following it was the run's `on_done`: each finished
+    # run, with every event it delivered, waited for the cyclic collector, whose full passes stall every stream
+    gc.disable()
+    try:
+        record = AccessRecord("http", "POST", "/v1/chat/completions")
+        run = GenerationRun(
+            1,
+            [1, 2, 3],
+            GenParams(0.0, 1.0, 0.0, 0, 0),
+            40,
+            qos=0,
+            batch_invariant=False,
+            splitter=ChannelSplitter(WORDS),
+            listener=Recorder(),
+            provisional=True,
+            publisher=NoSubscribers(),
+        )
+        record.attach(run, "smollm2")
+        run.tokens(run.job, [0, 1])
+        run.finished(run.job, FINISH_STOP, None)
+        assert run.drain()
+        run.conclude()
+        held = [weakref.ref(run), weakref.ref(run.job), weakref.ref(record)]
+        del run, record
+        assert [ref() is None for ref in held] == [True, True, True], "run, job, record: freed"
+    finally:
+        gc.enable()

@@ -14,7 +14,7 @@ from fake_engine import VOCAB, FakeEngine, next_of
 
 from superfluid.engine.drafting import Arm
 from superfluid.engine.sampling import splitmix64
-from superfluid.protocol.schema import FINISH_LENGTH, GenParams
+from superfluid.protocol.schema import FINISH_LENGTH, FINISH_STOP, GenParams
 from superfluid.scheduler import pace as pace_module
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.job import Job
@@ -520,6 +520,46 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
         assert sink.finish == FINISH_LENGTH and len(prompt) + len(sink.out) == 64, "nor past the window"
     finally:
         window.stop()
+
+
+class Timed(Collect):
+    """A sink that notes when each token reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def tokens(self, job: Job, tokens: list[int]) -> None:
+        super().tokens(job, tokens)
+        self.times += [time.monotonic()] * len(tokens)
+
+
+def test_a_runs_tokens_reach_the_sink_as_they_are_drawn_and_the_turns_end_never_does() -> None:
+    ends, goes_on = list(range(1, 20)), list(range(50, 60))
+    ends_at = len(ends) + 45  # the model ends the first prompt's turn mid-run there, beside a lane that runs on
+    context = FakeEngine(
+        sequences=4, delay=0.003, model=lambda held: 0 if held[0] == 1 and len(held) == ends_at else next_of(held)
+    )
+    scheduler = Scheduler(context, lanes=2, window=1024)
+    scheduler.start()
+    try:
+        lone = Timed()
+        scheduler.submit(Job(goes_on, GREEDY, 60, sink=lone))
+        assert lone.done.wait(10)
+        decodes = context.llama.ended[:]
+        calls = context.calls
+        ending, beside = Timed(), Timed()
+        scheduler.submit(Job(ends, GREEDY, 100, sink=ending))
+        scheduler.submit(Job(goes_on, GREEDY, 100, sink=beside))
+        assert ending.done.wait(10) and beside.done.wait(10)
+    finally:
+        scheduler.stop()
+    assert calls < len(lone.out) / 2, f"{calls} engine calls for {len(lone.out)} tokens: runs formed"
+    # one lane, no drafts: token i comes from decode i (the prompt's is decode 0), and is shown before the next ends
+    late = [i for i in range(len(lone.out) - 1) if lone.times[i] >= decodes[i + 1]]
+    assert not late, f"tokens {late} reached the sink only after the decode that followed theirs"
+    assert ending.finish == FINISH_STOP and 0 not in ending.out and len(ending.out) == 45, (ending.finish, ending.out)
+    assert beside.out[:60] == lone.out and len(beside.out) == 100
 
 
 def speculating(

@@ -36,7 +36,7 @@ from ..protocol.schema import (
     EventMsg,
     GenParams,
 )
-from ..scheduler.job import Job
+from ..scheduler.job import QUIET, Job
 from ..scheduler.scheduler import Scheduler
 from ..store.leases import LeaseLost
 from ..store.sessions import SessionStore
@@ -44,9 +44,10 @@ from .bus import Committed, Provisional
 
 log = logging.getLogger("superfluid.core.generation")
 # text ahead of its commit reaches a listener at most this often, in one piece (the first at once):
-# the tokens of one step (a run, or drafts that stood) come microseconds apart and go out together,
-# while steps (5 ms and more apart) each go out as they end. At 40 ms a lone stream's chunks came
-# 80-88 ms apart at p99 against llama-server's 13-20 ms (embedded model), for no throughput measured
+# the tokens of one decode (drafts that stood) come microseconds apart and go out together, while
+# decodes (5 ms and more apart, a run's too: `Step.on_decode`) each go out as they end. At 40 ms a
+# lone stream's chunks came 80-88 ms apart at p99 against llama-server's 13-20 ms (embedded model),
+# for no throughput measured
 HAND_OVER_S = 0.005
 B = EventBody
 
@@ -249,8 +250,12 @@ class GenerationRun:
         error = (self.error or "generation failed") if self.finish == FINISH_ERROR else None
         job = self.job
         drafts = (job.spec_proposed, job.spec_accepted)
-        if self.on_done is not None:
-            self.on_done(self)
+        # the run, its job and the access record that follows it hold one another: let go, so they are freed
+        # with the last reference to them (each run's delivered events with them), not by the cyclic collector
+        job.sink = QUIET
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done(self)
         self.listener.put(Done(list(self.delivered), job.generated, self.finish or 0, job.warm_prefix, error, drafts))
 
 

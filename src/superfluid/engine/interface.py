@@ -5,7 +5,9 @@ whose last token it carries, a `Draw` saying how to pick the next token (samplin
 parameters, the stream position its random draw is keyed by, whether end-of-generation is
 banned, the handles of its grammar, its `Shaping` and its drafter, and how many decodes and
 tokens it may take: a lane whose run is longer than one decodes its drawn token at once, in
-a batch of the lanes still running, and draws again, so a few tokens cost one call).
+a batch of the lanes still running, and draws again, so a few tokens cost one call; the
+step's `on_decode` sees the tokens drawn so far after each decode but the last, so a reader
+is shown each token as it is drawn, not at the end of its run).
 
 Two engines implement it: `LocalEngine` (`local.py`) runs llama.cpp in this process, and
 `WorkerEngine` (`worker_client.py`) drives a worker process over its channel, so the
@@ -15,6 +17,7 @@ implements it too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
@@ -107,6 +110,9 @@ class Step:
     A step that `probe`s is a trial of drafting (`--speculate auto`): of its decodes where drafts
     are planned, one in `PLAIN_EVERY` goes without them, and `drafted` and `plain` sum up the
     two arms, so the gate compares drafts with none where the engine would draft.
+
+    Where a step runs on after a decode, `on_decode` (if set) is called with every draw's tokens so
+    far; it may show them, but what the step returns is what stands.
     """
 
     tokens: np.ndarray
@@ -121,6 +127,7 @@ class Step:
     first_decode_s: float = 0.0
     drafted: Arm = field(default_factory=Arm)
     plain: Arm = field(default_factory=Arm)
+    on_decode: Callable[[list[list[int]]], None] | None = None
 
 
 class Engine(Protocol):

@@ -115,6 +115,8 @@ class LocalEngine:
             ]
             if not lanes:
                 break
+            if step.on_decode is not None:
+                step.on_decode(drawn)
             # the next decode: each running lane's last token, as the scheduler would send it
             batch = Batch.of_inputs(
                 [drawn[i][-1] for i in lanes],

@@ -1,8 +1,9 @@
 """The daemon-to-worker channel: length-prefixed frames over a unix socket pair.
 
 A frame is a `u32` little-endian length, then a one-byte kind, then its payload. Each call
-is one request frame answered by one reply frame, in order. A step travels as a small
-header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
+is one request frame answered by one reply frame, in order; a step whose run goes on after a
+decode sends a DRAWN frame (every draw's tokens so far) before its reply. A step travels as a
+small header and numpy arrays (the batch's token ids, positions, sequence ids and logit flags,
 then one packed record per draw) and comes back as how many tokens each draw drew, their
 ids, what each draw drafted and kept, how many decodes the call made and, for a step that
 probes drafting, its two arms, so a tick's traffic
@@ -39,6 +40,8 @@ OPEN_DRAFTER, CLOSE_DRAFTER = 35, 36  # a job's prompt lookup: its stream (i32s)
 DEVICES = 37  # the model's device report (`LlamaModel.device_report`) back, as JSON; READY carries it too
 # reply kinds (worker -> daemon)
 OK, KV_FULL, FAILED, READY, INTERRUPTED = 100, 101, 102, 103, 104  # INTERRUPTED: `interface.StepInterrupted`
+# a step's tokens drawn so far, sent after each decode of a run that goes on, before its reply
+DRAWN = 105
 
 DRAW = np.dtype(
     [
@@ -197,16 +200,31 @@ def decode_step(payload: memoryview) -> Step:
     return Step(arrays[0], arrays[1], arrays[2], arrays[3], draws, probe=bool(probe))
 
 
+def encode_tokens(drawn: list[list[int]]) -> bytes:
+    """How many tokens each draw drew, then their ids: a DRAWN frame, and part of a step's reply."""
+    counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
+    ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
+    return counts.tobytes() + ids.tobytes()
+
+
+def decode_tokens(payload: memoryview, draws: int, at: int = 0) -> tuple[list[list[int]], int]:
+    """The tokens `encode_tokens` wrote for `draws` draws from offset `at`, and the offset after them."""
+    counts = np.frombuffer(payload, dtype="<u4", count=draws, offset=at)
+    total = int(counts.sum())
+    at += 4 * draws
+    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=at).tolist()
+    ends = np.cumsum(counts).tolist()
+    return [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)], at + 4 * total
+
+
 def encode_drawn(step: Step, drawn: list[list[int]]) -> bytes:
     """A step's reply: the decodes it made, its trial's two arms, how many tokens each draw drew, their
     ids, each draw's drafted and kept tokens, then a record per draw that asked for log probabilities."""
-    counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
-    ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
     spec = np.zeros((2, len(drawn)), dtype="<u4")
     for draw, (drafted, kept) in step.spec.items():
         spec[:, draw] = drafted, kept
     arms = b"".join(_ARM.pack(arm.decodes, arm.tokens, arm.seconds) for arm in (step.drafted, step.plain))
-    head = _DECODES.pack(step.decodes) + arms + counts.tobytes() + ids.tobytes() + spec.tobytes()
+    head = _DECODES.pack(step.decodes) + arms + encode_tokens(drawn) + spec.tobytes()
     if not step.logprobs:
         return head
     rows = np.zeros(len(step.logprobs), dtype=LOGPROBS)
@@ -224,14 +242,7 @@ def decode_drawn(payload: memoryview, step: Step) -> list[list[int]]:
     at = _DECODES.size
     step.drafted = Arm(*_ARM.unpack_from(payload, at))
     step.plain = Arm(*_ARM.unpack_from(payload, at + _ARM.size))
-    at += 2 * _ARM.size
-    counts = np.frombuffer(payload, dtype="<u4", count=draws, offset=at)
-    total = int(counts.sum())
-    at += 4 * draws
-    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=at).tolist()
-    at += 4 * total
-    ends = np.cumsum(counts).tolist()
-    drawn = [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)]
+    drawn, at = decode_tokens(payload, draws, at + 2 * _ARM.size)
     spec = np.frombuffer(payload, dtype="<u4", count=2 * draws, offset=at).reshape(2, draws)
     at += 8 * draws
     step.spec = {i: (int(spec[0, i]), int(spec[1, i])) for i in np.flatnonzero(spec[0]).tolist()}

@@ -30,11 +30,15 @@ from .llama import LlamaContext, LlamaModel
 from .local import LocalEngine
 
 
-def _serve(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: memoryview) -> bytes:
+def _serve(
+    engine: LocalEngine, shared: wire.SharedRegion, channel: socket.socket, kind: int, payload: memoryview
+) -> bytes:
     """One call; its reply payload."""
     if kind == wire.STEP:
         started = time.perf_counter()
         step = wire.decode_step(payload)
+        # a run's tokens go to the daemon as they are drawn: a reader sees each one then, not at the run's end
+        step.on_decode = lambda drawn: wire.send(channel, wire.DRAWN, wire.encode_tokens(drawn))
         drawn = engine.step(step)
         reply = wire.encode_drawn(step, drawn)
         # what the step cost here, and its first decode
@@ -88,15 +92,17 @@ def serve(
     while True:
         try:
             kind, payload = wire.receive(channel)
-            wire.send(channel, *_answer(engine, shared, kind, payload))
+            wire.send(channel, *_answer(engine, shared, channel, kind, payload))
         except ConnectionError:
             return 0  # the daemon stopped, or died
 
 
-def _answer(engine: LocalEngine, shared: wire.SharedRegion, kind: int, payload: memoryview) -> tuple[int, bytes]:
+def _answer(
+    engine: LocalEngine, shared: wire.SharedRegion, channel: socket.socket, kind: int, payload: memoryview
+) -> tuple[int, bytes]:
     """The reply frame to one request frame: OK with its payload, or why it failed."""
     try:
-        return wire.OK, _serve(engine, shared, kind, payload)
+        return wire.OK, _serve(engine, shared, channel, kind, payload)
     except KVFull as e:
         return wire.KV_FULL, str(e).encode()
     except StepInterrupted as e:

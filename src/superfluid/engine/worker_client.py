@@ -195,13 +195,21 @@ class WorkerEngine:
 
     # ---- calls ----
 
-    def _call(self, kind: int, payload: bytes = b"") -> memoryview:
+    def _call(self, kind: int, payload: bytes = b"", step: Step | None = None) -> memoryview:
+        """One call's reply payload; a `step`'s DRAWN frames before it go to its `on_decode`."""
         if self._channel is None:
             raise WorkerGone("no llama.cpp worker is running")
         try:
             with self._calling:
                 wire.send(self._channel, kind, payload)
                 reply, body = wire.receive(self._channel)
+                while reply == wire.DRAWN and step is not None:
+                    if step.on_decode is not None:
+                        try:
+                            step.on_decode(wire.decode_tokens(body, len(step.draws))[0])
+                        except Exception:  # showing tokens early is a courtesy: the reply must still be read
+                            log.exception("showing a run's tokens before its step ended failed")
+                    reply, body = wire.receive(self._channel)
         except (wire.ChannelClosed, OSError):
             raise WorkerGone(f"the model's worker stopped ({self.exit_description()})") from None
         if reply == wire.OK:
@@ -233,7 +241,7 @@ class WorkerEngine:
     def step(self, step: Step) -> list[list[int]]:
         started = time.perf_counter()
         try:
-            reply = self._call(wire.STEP, wire.encode_step(step))
+            reply = self._call(wire.STEP, wire.encode_step(step), step)
         except (KVFull, StepInterrupted):
             self._copying = False  # the decode ran its pending copies before it looked for room
             raise

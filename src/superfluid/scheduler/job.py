@@ -19,6 +19,19 @@ class JobSink(Protocol):
     def finished(self, job: Job, finish: int, error: str | None) -> None: ...
 
 
+class QuietSink:
+    """A sink that takes nothing: a prefill-only job's, and a concluded generation's (whose job then no longer
+    holds it, so the two are freed as soon as nothing else holds them, not by the cyclic collector)."""
+
+    def tokens(self, job: Job, tokens: list[int]) -> None:
+        pass
+
+    def finished(self, job: Job, finish: int, error: str | None) -> None:
+        pass
+
+
+QUIET = QuietSink()
+
 # prefill steps a traced job keeps (an 8k prompt in 64-token steps): its spans are made on the event loop at once
 CHUNKS_KEPT = 128
 

@@ -44,10 +44,12 @@ BATCH_CHUNK = 192
 STEP_BATCH_MAX_S = 2.0
 MIN_PREFILL = 16
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
-# and this loop are paid once), as long as nobody waits for admission, up to this long: a
-# streamed token waits for its run's end. Runs of 40 ms kept the embedded model's lone stream
-# 8% faster but its chunks' gap p99 at 42 ms against 18 ms; at 15 ms a run forms only where a
-# decode is very cheap, and a reader sees the tokens as llama-server's do
+# and this loop are paid once), as long as nobody waits for admission, up to this long. Each token
+# of a run is shown as it is drawn (`Step.on_decode`), so the run's length is what a request that
+# arrives meanwhile waits for its admission, not what a reader waits for its tokens. Runs of 40 ms
+# kept the embedded model's lone stream 8% faster, back when a streamed token waited for its run's
+# end and its chunks' gap p99 was 42 ms against 18 ms; at 15 ms a run forms only where a decode is
+# very cheap
 RUN_S = 0.015
 MAX_RUN = 8
 

@@ -36,6 +36,7 @@ in one transaction.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -59,7 +60,7 @@ from ..protocol.schema import (
     QOS_COMPLETION,
     GenParams,
 )
-from .job import Job, Lane
+from .job import QUIET, Job, Lane
 from .kv_tiers import KVTiers
 from .pace import STEP_TARGET_S, Pace
 from .park import Park
@@ -86,16 +87,6 @@ BATCH_DECODE_EVERY = 8  # while agents' prompts prefill in short steps, decoding
 # the 0.7B bench model (AMD EPYC, 2 cores) a 192-token step took 1.13 s with no lane riding, 1.17-1.25 s with one and
 # 1.23-1.28 s with seven, so a rider's token cost 14-110 ms, against 11-12 ms in a decode of eight lanes.
 BACKGROUND_WAIT_S = 3.5
-
-
-class _Quiet:
-    """The sink of a prefill-only job: nothing to deliver."""
-
-    def tokens(self, job: Job, tokens: list[int]) -> None:
-        pass
-
-    def finished(self, job: Job, finish: int, error: str | None) -> None:
-        pass
 
 
 class Scheduler:
@@ -202,7 +193,7 @@ class Scheduler:
         """Prefill `tokens` into the cache in the background (a pinned session after a restart)."""
         if 1 < len(tokens) < self.window:
             greedy = GenParams(0.0, 1.0, 0.0, 0, 0)
-            self.submit(Job(list(tokens), greedy, 0, _Quiet(), qos=QOS_BACKGROUND, prefill_only=True))
+            self.submit(Job(list(tokens), greedy, 0, QUIET, qos=QOS_BACKGROUND, prefill_only=True))
 
     def cancel(self, job: Job) -> None:
         with self._cv:
@@ -550,6 +541,9 @@ class Scheduler:
                     )
                 )
         step = Step(tokens, positions, seqs, want, draws, probe=bool(draft) and self.speculation.probing(len(plan)))
+        shown = [0] * len(draws)  # by draw: its tokens a reader was shown while the step ran
+        if run > 1:
+            step.on_decode = functools.partial(self._show_drawn, owners, shown)
         while True:
             try:
                 started = time.perf_counter()
@@ -599,7 +593,8 @@ class Scheduler:
                 if i:
                     lane.held.append(lane.feed.pop())  # the token drawn before it, decoded in the same call
                     self.stats.decode_tokens += 1
-                finished |= self._advance(lane, token, step.logprobs.get(index) if i == 0 else None)
+                logprobs = step.logprobs.get(index) if i == 0 else None
+                finished |= self._advance(lane, token, logprobs, shown=i < shown[index])
                 if lane.job.done:
                     break
         return finished | self._retire_prefilled()
@@ -692,8 +687,21 @@ class Scheduler:
         # before theirs prefilled at 70 tok/s; placed first, at 110-114 (two separate decodes: 108-113)
         return sorted(plan, key=lambda entry: (entry[0].decoding, entry[0].seq))
 
-    def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None) -> bool:
-        """Take the lane's drawn token; returns True when the tick should end (its job is over, or began)."""
+    def _show_drawn(self, owners: list[tuple[Lane, int]], shown: list[int], drawn: list[list[int]]) -> None:
+        """A run's tokens so far, given to their jobs' sinks before the step ends (the end of a turn is not:
+        `_advance` takes it), so a reader sees each token as it is drawn; `shown` counts them by draw."""
+        end = self.engine.end_of_generation
+        for lane, index in owners:
+            new = drawn[index][shown[index] :]
+            if new and end[new].any():
+                new = new[: int(np.argmax(end[new]))]
+            if new:
+                lane.job.sink.tokens(lane.job, new)
+                shown[index] += len(new)
+
+    def _advance(self, lane: Lane, token: int, logprobs: LogprobRow | None = None, *, shown: bool = False) -> bool:
+        """Take the lane's drawn token (its sink has it already where `shown`); returns True when the tick
+        should end (its job is over, or began)."""
         job = lane.job
         position = len(lane.held)
         if job.generated == 0 and self.tiers.park is not None and position - job.warm_prefix >= WRITE_BEHIND_MIN_TOKENS:
@@ -709,7 +717,8 @@ class Scheduler:
                 job.times.first_token = time.time_ns()
         if logprobs is not None:
             job.logprobs.append(logprobs)
-        job.sink.tokens(job, [token])
+        if not shown:
+            job.sink.tokens(job, [token])
         if job.generated >= job.max_tokens or position + 1 >= self.window:
             lane.feed = [token]  # sampled, not yet decoded: the slot holds everything before it
             self._retire(lane, FINISH_LENGTH)
