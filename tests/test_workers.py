@@ -405,3 +405,45 @@ def test_unloading_a_model_whose_workers_keep_dying_starts_no_new_one(tmp_path: 
         answers_a_session(proc, 2)
     finally:
         proc.stop()
+
+
+def test_a_workers_run_sends_each_decodes_tokens_before_its_reply() -> None:
+    import numpy as np
+
+    from superfluid.engine.interface import ContextShape, Draw, Step
+    from superfluid.engine.llama import LlamaModel
+    from superfluid.engine.worker_client import WorkerEngine
+    from superfluid.protocol.schema import GenParams
+
+    greedy = GenParams(0.0, 1.0, 0.0, 0, 0)
+    path = embedded_model().path
+    model = LlamaModel(path)
+    worker = WorkerEngine(path, ContextShape(512, 2, 512, 2), model.end_of_generation)
+    worker.start()
+    try:
+        prompt = model.tokenize(STORY, True)
+        want = np.zeros(len(prompt), dtype=np.int8)
+        want[-1] = 1
+        (first,) = worker.step(
+            Step(
+                np.asarray(prompt, np.int32),
+                np.arange(len(prompt), dtype=np.int32),
+                np.zeros(len(prompt), np.int32),
+                want,
+                [Draw(greedy, len(prompt), True)],
+            )
+        )
+        run = Step(
+            np.asarray(first, np.int32),
+            np.asarray([len(prompt)], np.int32),
+            np.zeros(1, np.int32),
+            np.ones(1, np.int8),
+            [Draw(greedy, len(prompt) + 1, True, run=8, limit=8)],
+        )
+        shown: list[list[int]] = []
+        run.on_decode = lambda drawn: shown.append(list(drawn[0]))
+        (drawn,) = worker.step(run)
+    finally:
+        worker.close()
+    assert len(drawn) == 8 and run.decodes == 8
+    assert shown == [drawn[:k] for k in range(1, 8)], "each decode's tokens but the last's came before the reply"
