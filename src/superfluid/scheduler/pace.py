@@ -48,8 +48,10 @@ MIN_PREFILL = 16
 # of a run is shown as it is drawn (`Step.on_decode`), so the run's length is what a request that
 # arrives meanwhile waits for its admission, not what a reader waits for its tokens. Runs of 40 ms
 # kept the embedded model's lone stream 8% faster, back when a streamed token waited for its run's
-# end and its chunks' gap p99 was 42 ms against 18 ms; at 15 ms a run forms only where a decode is
-# very cheap
+# end and its chunks' gap p99 was 42 ms against 18 ms. Forced to 40 ms on a slower two-core EPYC
+# (four paired rounds), a lone stream's gap p99 was 23 ms with each token shown as drawn against
+# 69 ms held to its run's end (llama-server: 17 ms), at 0.94 of llama-server's rate against 1.00:
+# at 15 ms a run forms only where a decode is very cheap
 RUN_S = 0.015
 MAX_RUN = 8
 
