@@ -37,13 +37,9 @@ class NoSubscribers:
     def provisional(self, session: int, channel: int, text: str) -> None: ...
 
 
-INTERVAL = 0.2  # the hand-over interval for the test, long enough that no pause on a busy machine ends it
-
-
-def test_text_ahead_of_its_commit_goes_out_at_once_then_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(generation, "HAND_OVER_S", INTERVAL)
-    listener = Recorder()
-    run = GenerationRun(
+def streamed(listener: Recorder) -> GenerationRun:
+    """A greedy run of up to 40 tokens whose text goes to `listener` ahead of its commit."""
+    return GenerationRun(
         1,
         [1, 2, 3],
         GenParams(0.0, 1.0, 0.0, 0, 0),
@@ -55,6 +51,15 @@ def test_text_ahead_of_its_commit_goes_out_at_once_then_gathered(monkeypatch: py
         provisional=True,
         publisher=NoSubscribers(),
     )
+
+
+INTERVAL = 0.2  # the hand-over interval for the test, long enough that no pause on a busy machine ends it
+
+
+def test_text_ahead_of_its_commit_goes_out_at_once_then_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation, "HAND_OVER_S", INTERVAL)
+    listener = Recorder()
+    run = streamed(listener)
     run.tokens(run.job, [0])
     assert listener.texts() == ["w0 "], "the first piece is not held"
     for token in range(1, 6):
@@ -76,18 +81,7 @@ def test_a_concluded_run_is_freed_by_reference_counts_with_its_job_and_access_re
     gc.disable()
     try:
         record = AccessRecord("http", "POST", "/v1/chat/completions")
-        run = GenerationRun(
-            1,
-            [1, 2, 3],
-            GenParams(0.0, 1.0, 0.0, 0, 0),
-            40,
-            qos=0,
-            batch_invariant=False,
-            splitter=ChannelSplitter(WORDS),
-            listener=Recorder(),
-            provisional=True,
-            publisher=NoSubscribers(),
-        )
+        run = streamed(Recorder())
         record.attach(run, "smollm2")
         run.tokens(run.job, [0, 1])
         run.finished(run.job, FINISH_STOP, None)
