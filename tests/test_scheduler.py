@@ -538,7 +538,7 @@ def test_a_runs_tokens_reach_the_sink_as_they_are_drawn_and_the_turns_end_never_
     ends, goes_on = list(range(1, 20)), list(range(50, 60))
     ends_at = len(ends) + 45  # the model ends the first prompt's turn mid-run there, beside a lane that runs on
     context = FakeEngine(
-        sequences=4, delay=0.003, model=lambda held: 0 if held[0] == 1 and len(held) == ends_at else next_of(held)
+        sequences=4, delay=0.002, model=lambda held: 0 if held[0] == 1 and len(held) == ends_at else next_of(held)
     )
     scheduler = Scheduler(context, lanes=2, window=1024)
     scheduler.start()

@@ -424,21 +424,13 @@ def test_a_workers_run_sends_each_decodes_tokens_before_its_reply() -> None:
         prompt = model.tokenize(STORY, True)
         want = np.zeros(len(prompt), dtype=np.int8)
         want[-1] = 1
-        (first,) = worker.step(
-            Step(
-                np.asarray(prompt, np.int32),
-                np.arange(len(prompt), dtype=np.int32),
-                np.zeros(len(prompt), np.int32),
-                want,
-                [Draw(greedy, len(prompt), True)],
-            )
-        )
+        # the prompt and seven decodes after it in one call: end of turn banned, so it runs all eight
         run = Step(
-            np.asarray(first, np.int32),
-            np.asarray([len(prompt)], np.int32),
-            np.zeros(1, np.int32),
-            np.ones(1, np.int8),
-            [Draw(greedy, len(prompt) + 1, True, run=8, limit=8)],
+            np.asarray(prompt, np.int32),
+            np.arange(len(prompt), dtype=np.int32),
+            np.zeros(len(prompt), np.int32),
+            want,
+            [Draw(greedy, len(prompt), True, run=8, limit=8)],
         )
         shown: list[list[int]] = []
         run.on_decode = lambda drawn: shown.append(list(drawn[0]))

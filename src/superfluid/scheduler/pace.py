@@ -46,12 +46,12 @@ MIN_PREFILL = 16
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
 # and this loop are paid once), as long as nobody waits for admission, up to this long. Each token
 # of a run is shown as it is drawn (`Step.on_decode`), so the run's length is what a request that
-# arrives meanwhile waits for its admission, not what a reader waits for its tokens. Runs of 40 ms
-# kept the embedded model's lone stream 8% faster, back when a streamed token waited for its run's
-# end and its chunks' gap p99 was 42 ms against 18 ms. Forced to 40 ms on a slower two-core EPYC
-# (four paired rounds), a lone stream's gap p99 was 23 ms with each token shown as drawn against
-# 69 ms held to its run's end (llama-server: 17 ms), at 0.94 of llama-server's rate against 1.00:
-# at 15 ms a run forms only where a decode is very cheap
+# arrives meanwhile waits for its admission, not what a reader waits for its tokens. With the
+# tokens held to the run's end, runs of 40 ms kept the embedded model's lone stream 8% faster but
+# its chunks' gap p99 at 42 ms against llama-server's 18. Runs forced to 40 ms on a two-core AMD
+# EPYC whose decodes took 8-9 ms (four paired rounds): gap p99 23 ms with each token shown as
+# drawn, 69 ms held to the run's end (llama-server: 17 ms), at 0.94 and 1.00 of llama-server's
+# rate. At 15 ms a run forms only where a decode is very cheap
 RUN_S = 0.015
 MAX_RUN = 8
 
