@@ -109,7 +109,9 @@ class ChannelSplitter:
 
     def _scan(self) -> list[Piece]:
         out: list[Piece] = []
-        while (found := self._next_marker()) is not None:
+        # where no marker's first character is held, none is whole or forming: the common token skips the
+        # search, which the scheduler's thread would otherwise make once per token
+        while any(text[:1] in self._held_text for text, _, _ in self._in_play()) and (found := self._next_marker()):
             at, text, marker, opens = found
             before = self._held_text[:at]
             after = self._held_text[at + len(text) :]
@@ -147,4 +149,6 @@ class ChannelSplitter:
 
 def _ends_with_prefix(text: str, marker: str) -> bool:
     """Whether `text` ends with a proper prefix of `marker` (a marker may be starting)."""
-    return any(text.endswith(marker[:n]) for n in range(1, len(marker)))
+    tail = text[max(0, len(text) - len(marker) + 1) :]
+    # only a tail holding the marker's first character can end with a prefix of it
+    return marker[:1] in tail and any(tail.endswith(marker[:n]) for n in range(1, len(marker)))
