@@ -14,7 +14,7 @@ from fake_engine import VOCAB, FakeEngine, next_of
 
 from superfluid.engine.drafting import Arm
 from superfluid.engine.sampling import splitmix64
-from superfluid.protocol.schema import FINISH_LENGTH, FINISH_STOP, GenParams
+from superfluid.protocol.schema import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, GenParams
 from superfluid.scheduler import pace as pace_module
 from superfluid.scheduler import scheduler as scheduler_module
 from superfluid.scheduler.job import Job
@@ -520,6 +520,33 @@ def test_a_lone_decoding_lane_draws_runs_of_tokens_per_call_and_stops_where_it_m
         assert sink.finish == FINISH_LENGTH and len(prompt) + len(sink.out) == 64, "nor past the window"
     finally:
         window.stop()
+
+
+def test_a_run_in_flight_ends_after_its_decode_for_an_arrival_or_a_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pace_module, "RUN_S", 10.0)  # runs of a hundred decodes, 5 ms each
+    monkeypatch.setattr(pace_module, "MAX_RUN", 100)
+    context = FakeEngine(sequences=4, delay=0.005, interruptible=True)
+    scheduler = Scheduler(context, lanes=2, window=4096, tick_ms=10_000)
+    scheduler.start()
+    try:
+        running, runs_sink = started(scheduler, [5, 6, 7], 3000)
+        while len(runs_sink.out) < 3:
+            time.sleep(0.001)
+        seq = next(lane.seq for lane in scheduler.lanes if lane.job is running)
+        time.sleep(0.05)  # into a run
+        calls, since = context.calls, len(context.llama.orders)
+        _, arrivals_sink = started(scheduler, [8, 9, 10], 4)
+        assert arrivals_sink.done.wait(10) and len(arrivals_sink.out) == 4
+        assert context.calls > calls, "the run in flight ended"
+        waited = next(i for i, order in enumerate(context.llama.orders[since:]) if set(order) != {seq})
+        assert waited <= 2, f"the arrival was prefilled after {waited} decodes of the run in flight"
+        time.sleep(0.05)
+        since = len(context.llama.orders)
+        scheduler.cancel(running)
+        assert runs_sink.done.wait(10) and runs_sink.finish == FINISH_CANCELLED
+        assert len(context.llama.orders) - since <= 2, "a cancel ends the run in flight after its decode"
+    finally:
+        scheduler.stop()
 
 
 class Timed(Collect):

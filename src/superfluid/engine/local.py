@@ -106,15 +106,18 @@ class LocalEngine:
             if arm is not None:
                 drew = sum(len(drawn[i]) for i in lanes) - before
                 arm.add(Arm(1, drew, time.perf_counter() - started))
-            lanes = [
+            going = [
                 i
                 for i in lanes
                 if step.decodes < draws[i].run
                 and len(drawn[i]) < draws[i].limit
                 and not self.end_of_generation[drawn[i][-1]]
             ]
-            if not lanes:
+            # a run ends with its last decode, when any of its lanes ends (so its finish is not held back by
+            # the others), or when someone arrived (`Interrupt.cut`); what was drawn stands
+            if not going or len(going) < len(lanes) or (self.interrupt is not None and self.interrupt.is_cut()):
                 break
+            lanes = going
             if step.on_decode is not None:
                 step.on_decode(drawn)
             # the next decode: each running lane's last token, as the scheduler would send it

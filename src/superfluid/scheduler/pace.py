@@ -44,15 +44,15 @@ BATCH_CHUNK = 192
 STEP_BATCH_MAX_S = 2.0
 MIN_PREFILL = 16
 # a step that only decodes lets each lane draw a run of tokens in one engine call (the channel
-# and this loop are paid once), as long as nobody waits for admission, up to this long. Each token
-# of a run is shown as it is drawn (`Step.on_decode`), so the run's length is what a request that
-# arrives meanwhile waits for its admission, not what a reader waits for its tokens. With the
-# tokens held to the run's end, runs of 40 ms kept the embedded model's lone stream 8% faster but
-# its chunks' gap p99 at 42 ms against llama-server's 18. Runs forced to 40 ms on a two-core AMD
-# EPYC whose decodes took 8-9 ms (four paired rounds): gap p99 23 ms with each token shown as
-# drawn, 69 ms held to the run's end (llama-server: 17 ms), at 0.94 and 1.00 of llama-server's
-# rate. At 15 ms a run forms only where a decode is very cheap
-RUN_S = 0.015
+# and this loop are paid once), as long as nobody waits for admission, up to this long (and no
+# longer than a tick, whose end commits). Each token of a run is shown as it is drawn
+# (`Step.on_decode`); a run ends when any of its lanes ends, and after the decode in flight when a
+# job arrives or is cancelled (`Interrupt.cut`), so neither a reader nor an arrival waits for it.
+# On a two-core AMD EPYC whose decodes took 8-9 ms, a lone stream's daemon took 0.80 ms of CPU a
+# token with runs of one decode (at 15 ms), 0.51-0.59 with runs of five (at 50 ms): on two cores
+# that CPU is taken from the decode (the worker's send of each run's token lends its core to the
+# daemon thread it wakes)
+RUN_S = 0.05
 MAX_RUN = 8
 
 

@@ -123,9 +123,10 @@ class Scheduler:
         self._prefilled: list[int] = []  # slots whose long prompts were just prefilled, to park (write-behind)
         self._order = itertools.count()
         # interactive and completion jobs submitted, and as many as the last admission saw; while a step of
-        # batch work is in flight, such an arrival or a cancel interrupts it (`engine.interrupt`)
+        # batch work is in flight, such an arrival or a cancel interrupts it (`engine.interrupt`), and while a
+        # run of decodes is, any arrival or cancel cuts it after the decode in flight
         self._urgent_arrivals = self._admitted_arrivals = 0
-        self._batch_step = False
+        self._batch_step = self._run_step = False
         self._admissions = itertools.count()
         self._cv = threading.Condition()
         self._stopping = False
@@ -187,6 +188,8 @@ class Scheduler:
                 self._urgent_arrivals += 1
                 if self._batch_step and self.engine.interrupt is not None:
                     self.engine.interrupt.set()  # the batch step in flight stops: this job is admitted first
+            if self._run_step and self.engine.interrupt is not None:
+                self.engine.interrupt.cut()  # the run in flight ends after its decode: this job is admitted next
             self._cv.notify()
 
     def warm(self, tokens: list[int]) -> None:
@@ -198,8 +201,12 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         with self._cv:
             job.cancelled = True
-            if self._batch_step and self.engine.interrupt is not None:
-                self.engine.interrupt.set()  # a client that hung up gets its lane back now, not after the step
+            interrupt = self.engine.interrupt
+            if interrupt is not None:  # a client that hung up gets its lane back now, not after the step
+                if self._batch_step:
+                    interrupt.set()
+                if self._run_step:
+                    interrupt.cut()
             self._cv.notify()
 
     def kv_tokens(self) -> int:
@@ -601,18 +608,22 @@ class Scheduler:
 
     def _engine_step(self, step: Step, batch_work: bool) -> list[list[int]]:
         """The engine's step. One of `batch_work` stops (StepInterrupted) for an interactive or completion job
-        submitted since the last admission, whether it came before the step began or during it."""
+        submitted since the last admission, whether it came before the step began or during it; a run of
+        decodes ends after the decode in flight for any job submitted or cancelled (`Interrupt.cut`)."""
         interrupt = self.engine.interrupt
-        if not batch_work or interrupt is None:
+        run = any(draw.run > 1 for draw in step.draws)
+        if interrupt is None or not (batch_work or run):
             return self.engine.step(step)
         with self._cv:
-            self._batch_step = True
-            if self._urgent_arrivals != self._admitted_arrivals:
+            self._batch_step, self._run_step = batch_work, run
+            if batch_work and self._urgent_arrivals != self._admitted_arrivals:
                 interrupt.set()
+            if run and self._queue:
+                interrupt.cut()
         try:
             return self.engine.step(step)
         finally:
-            self._batch_step = False
+            self._batch_step = self._run_step = False
 
     def _record_draft(self, job: Job, proposed: int, accepted: int) -> None:
         job.spec_proposed += proposed
