@@ -131,15 +131,14 @@ def receive(sock: socket.socket) -> tuple[int, memoryview]:
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        read = sock.recv_into(view[got:], n - got)
-        if read == 0:
+    parts: list[bytes] = []
+    while n:  # one recv in the common case: a frame is sent whole
+        part = sock.recv(n)
+        if not part:
             raise ChannelClosed("the channel closed")
-        got += read
-    return bytes(buf)
+        parts.append(part)
+        n -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def encode_step(step: Step) -> bytes:
@@ -202,29 +201,32 @@ def decode_step(payload: memoryview) -> Step:
 
 def encode_tokens(drawn: list[list[int]]) -> bytes:
     """How many tokens each draw drew, then their ids: a DRAWN frame, and part of a step's reply."""
-    counts = np.fromiter((len(tokens) for tokens in drawn), dtype="<u4", count=len(drawn))
-    ids = np.fromiter((t for tokens in drawn for t in tokens), dtype="<i4", count=int(counts.sum()))
-    return counts.tobytes() + ids.tobytes()
+    ids = [token for tokens in drawn for token in tokens]
+    # struct, not numpy: a frame goes each decode, and the daemon's side is paid on a core the decode wants
+    return struct.pack(f"<{len(drawn)}I{len(ids)}i", *map(len, drawn), *ids)
 
 
 def decode_tokens(payload: memoryview, draws: int, at: int = 0) -> tuple[list[list[int]], int]:
     """The tokens `encode_tokens` wrote for `draws` draws from offset `at`, and the offset after them."""
-    counts = np.frombuffer(payload, dtype="<u4", count=draws, offset=at)
-    total = int(counts.sum())
+    counts = struct.unpack_from(f"<{draws}I", payload, at)
     at += 4 * draws
-    ids = np.frombuffer(payload, dtype="<i4", count=total, offset=at).tolist()
-    ends = np.cumsum(counts).tolist()
-    return [ids[end - int(count) : end] for count, end in zip(counts, ends, strict=True)], at + 4 * total
+    total = sum(counts)
+    ids = struct.unpack_from(f"<{total}i", payload, at)
+    drawn, start = [], 0
+    for count in counts:
+        drawn.append(list(ids[start : start + count]))
+        start += count
+    return drawn, at + 4 * total
 
 
 def encode_drawn(step: Step, drawn: list[list[int]]) -> bytes:
     """A step's reply: the decodes it made, its trial's two arms, how many tokens each draw drew, their
     ids, each draw's drafted and kept tokens, then a record per draw that asked for log probabilities."""
-    spec = np.zeros((2, len(drawn)), dtype="<u4")
+    spec = [0] * (2 * len(drawn))
     for draw, (drafted, kept) in step.spec.items():
-        spec[:, draw] = drafted, kept
+        spec[draw], spec[len(drawn) + draw] = drafted, kept
     arms = b"".join(_ARM.pack(arm.decodes, arm.tokens, arm.seconds) for arm in (step.drafted, step.plain))
-    head = _DECODES.pack(step.decodes) + arms + encode_tokens(drawn) + spec.tobytes()
+    head = _DECODES.pack(step.decodes) + arms + encode_tokens(drawn) + struct.pack(f"<{len(spec)}I", *spec)
     if not step.logprobs:
         return head
     rows = np.zeros(len(step.logprobs), dtype=LOGPROBS)
@@ -243,9 +245,9 @@ def decode_drawn(payload: memoryview, step: Step) -> list[list[int]]:
     step.drafted = Arm(*_ARM.unpack_from(payload, at))
     step.plain = Arm(*_ARM.unpack_from(payload, at + _ARM.size))
     drawn, at = decode_tokens(payload, draws, at + 2 * _ARM.size)
-    spec = np.frombuffer(payload, dtype="<u4", count=2 * draws, offset=at).reshape(2, draws)
+    spec = struct.unpack_from(f"<{2 * draws}I", payload, at)  # each draw's drafted tokens, then those kept
     at += 8 * draws
-    step.spec = {i: (int(spec[0, i]), int(spec[1, i])) for i in np.flatnonzero(spec[0]).tolist()}
+    step.spec = {i: (spec[i], spec[draws + i]) for i in range(draws) if spec[i]}
     step.logprobs = {}
     if len(payload) == at:
         return drawn

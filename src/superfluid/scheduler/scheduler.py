@@ -704,8 +704,10 @@ class Scheduler:
         end = self.engine.end_of_generation
         for lane, index in owners:
             new = drawn[index][shown[index] :]
-            if new and end[new].any():
-                new = new[: int(np.argmax(end[new]))]
+            for i, token in enumerate(new):
+                if end[token]:
+                    new = new[:i]
+                    break
             if new:
                 lane.job.sink.tokens(lane.job, new)
                 shown[index] += len(new)
