@@ -37,7 +37,7 @@ from record import Result
 
 from superfluid.model.resolve import embedded_model
 
-# the Claude Code `make test` installs, else one on PATH
+# where `make` links the agents it installs (Makefile: agents); the Claude Code there, else one on PATH
 AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
 CLAUDE = shutil.which("claude", path=os.pathsep.join([str(AGENT_BIN), os.environ.get("PATH", "")]))
 LEAN = ["--tools", "Read,Bash", "--output-format", "json", "-p"]

@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+from agents import AGENT_BIN  # bench/, where the agents' commands are found for the bench too
 from conftest import CITY_FUNCTION, HttpDaemon, free_port
 
 pytestmark = pytest.mark.e2e
 
-AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
 SUPERFLUID = [sys.executable, "-m", "superfluid"]
 
 
