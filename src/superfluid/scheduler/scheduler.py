@@ -26,6 +26,9 @@ in one transaction.
   long ones of its class queued ahead of it, and within a step, prefill goes to the shortest
   remaining prompts of the best class first.
 - A tick ends as soon as a job has its first token, so it is committed and shown at once.
+- A step that only decodes, with nobody waiting for a lane, lets each lane draw a run of tokens
+  in one engine call (`pace.RUN_S`, up to a tick), shown as they are drawn; the run ends when any
+  of its lanes ends, and an arrival or a cancel cuts it after the decode in flight.
 - While a prompt of class agent or background prefills, lanes of those classes that
   already decode run only every `BATCH_DECODE_EVERY`-th short step, and background lanes
   only as often as keeps their wait under `BACKGROUND_WAIT_S` in long ones, so batch work
