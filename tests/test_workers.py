@@ -407,7 +407,7 @@ def test_unloading_a_model_whose_workers_keep_dying_starts_no_new_one(tmp_path: 
         proc.stop()
 
 
-def test_a_workers_run_sends_each_decodes_tokens_before_its_reply() -> None:
+def test_a_workers_run_sends_each_decodes_tokens_before_its_reply_and_ends_where_cut() -> None:
     import numpy as np
 
     from superfluid.engine.interface import ContextShape, Draw, Step
@@ -435,7 +435,27 @@ def test_a_workers_run_sends_each_decodes_tokens_before_its_reply() -> None:
         shown: list[list[int]] = []
         run.on_decode = lambda drawn: shown.append(list(drawn[0]))
         (drawn,) = worker.step(run)
+
+        def going_on(at: int, token: int) -> Step:  # a run of eight more from `token`, not yet in the KV
+            return Step(
+                np.asarray([token], np.int32),
+                np.asarray([at], np.int32),
+                np.zeros(1, np.int32),
+                np.ones(1, np.int8),
+                [Draw(greedy, at + 1, True, run=8, limit=8)],
+            )
+
+        at = len(prompt) + len(drawn) - 1
+        assert worker.interrupt is not None
+        worker.interrupt.cut()  # the worker reads it between decodes, through the shared memory
+        cut = going_on(at, drawn[-1])
+        (after_cut,) = worker.step(cut)
+        worker.interrupt.clear()
+        on = going_on(at + len(after_cut), after_cut[-1])
+        (after_clear,) = worker.step(on)
     finally:
         worker.close()
     assert len(drawn) == 8 and run.decodes == 8
     assert shown == [drawn[:k] for k in range(1, 8)], "each decode's tokens but the last's came before the reply"
+    assert len(after_cut) == 1 and cut.decodes == 1, "a cut run ends after its decode in flight"
+    assert len(after_clear) == 8 and on.decodes == 8, "with the cut cleared, a run makes all its decodes"
