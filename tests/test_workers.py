@@ -422,36 +422,29 @@ def test_a_workers_run_sends_each_decodes_tokens_before_its_reply_and_ends_where
     worker.start()
     try:
         prompt = model.tokenize(STORY, True)
-        want = np.zeros(len(prompt), dtype=np.int8)
-        want[-1] = 1
-        # the prompt and seven decodes after it in one call: end of turn banned, so it runs all eight
-        run = Step(
-            np.asarray(prompt, np.int32),
-            np.arange(len(prompt), dtype=np.int32),
-            np.zeros(len(prompt), np.int32),
-            want,
-            [Draw(greedy, len(prompt), True, run=8, limit=8)],
-        )
+
+        def run_of_eight(tokens: list[int], at: int) -> Step:
+            """`tokens` from position `at`, then decodes to eight drawn (end of turn banned: all eight)."""
+            want = np.zeros(len(tokens), dtype=np.int8)
+            want[-1] = 1
+            return Step(
+                np.asarray(tokens, np.int32),
+                np.arange(at, at + len(tokens), dtype=np.int32),
+                np.zeros(len(tokens), np.int32),
+                want,
+                [Draw(greedy, at + len(tokens), True, run=8, limit=8)],
+            )
+
+        run = run_of_eight(prompt, 0)  # the prompt and seven decodes after it in one call
         shown: list[list[int]] = []
         run.on_decode = lambda drawn: shown.append(list(drawn[0]))
         (drawn,) = worker.step(run)
-
-        def going_on(at: int, token: int) -> Step:  # a run of eight more from `token`, not yet in the KV
-            return Step(
-                np.asarray([token], np.int32),
-                np.asarray([at], np.int32),
-                np.zeros(1, np.int32),
-                np.ones(1, np.int8),
-                [Draw(greedy, at + 1, True, run=8, limit=8)],
-            )
-
-        at = len(prompt) + len(drawn) - 1
-        assert worker.interrupt is not None
+        at = len(prompt) + len(drawn) - 1  # the last drawn token is not in the KV yet
         worker.interrupt.cut()  # the worker reads it between decodes, through the shared memory
-        cut = going_on(at, drawn[-1])
+        cut = run_of_eight([drawn[-1]], at)
         (after_cut,) = worker.step(cut)
         worker.interrupt.clear()
-        on = going_on(at + len(after_cut), after_cut[-1])
+        on = run_of_eight([after_cut[-1]], at + len(after_cut))
         (after_clear,) = worker.step(on)
     finally:
         worker.close()

@@ -557,7 +557,7 @@ class Scheduler:
         while True:
             try:
                 started = time.perf_counter()
-                drawn = self._engine_step(step, batch_step and not decode_only)
+                drawn = self._engine_step(step, batch_step and not decode_only, run > 1)
                 took = time.perf_counter() - started
                 if not decode_only:
                     self.pace.prefilled(len(tokens), len(owners), step.first_decode_s)
@@ -609,12 +609,11 @@ class Scheduler:
                     break
         return finished | self._retire_prefilled()
 
-    def _engine_step(self, step: Step, batch_work: bool) -> list[list[int]]:
+    def _engine_step(self, step: Step, batch_work: bool, run: bool) -> list[list[int]]:
         """The engine's step. One of `batch_work` stops (StepInterrupted) for an interactive or completion job
-        submitted since the last admission, whether it came before the step began or during it; a run of
-        decodes ends after the decode in flight for any job submitted or cancelled (`Interrupt.cut`)."""
+        submitted since the last admission, whether it came before the step began or during it; one that is a
+        `run` of decodes ends after the decode in flight for any job submitted or cancelled (`Interrupt.cut`)."""
         interrupt = self.engine.interrupt
-        run = any(draw.run > 1 for draw in step.draws)
         if interrupt is None or not (batch_work or run):
             return self.engine.step(step)
         with self._cv:
