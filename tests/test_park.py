@@ -17,6 +17,7 @@ import pytest
 from conftest import HttpDaemon, forced, generate, generated_tokens, new_session, say
 
 from superfluid.client import SocketClient
+from superfluid.metrics import read_metric
 from superfluid.protocol.schema import FINISH_CANCELLED, Request, Response, Tier
 from superfluid.scheduler import park as park_module
 from superfluid.scheduler.park import Park, default_budget, filesystem_type, park_fingerprint
@@ -101,9 +102,11 @@ def test_a_writer_behind_by_the_limit_passes_states_over(tmp_path: Path, monkeyp
     for tokens in prefixes:
         park.put(tokens, STATE)
     assert park.passed_over == 2, "two states wait for the disk; the others are not held in memory"
+    assert park.pending_bytes == 2 * len(STATE)
     disk.set()
     park.flush()
     assert [park.holds(t) for t in prefixes] == [True, True, False, False]
+    assert park.pending_bytes == 0, "states on disk leave memory"
     park.put(prefixes[3], STATE)  # the writer caught up: parking goes on
     park.flush()
     assert park.holds(prefixes[3]) and park.passed_over == 2
@@ -130,7 +133,9 @@ def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path)
             assert summary.warm_prefix >= 0.9 * prompt, (summary.warm_prefix, prompt)
             from_park = generated_tokens(deltas)
         assert daemon.metric("superfluid_resumes_total") == 1
-        assert "superfluid_park_bytes" in httpx.get(f"{daemon.url}/metrics").text
+        exposition = httpx.get(f"{daemon.url}/metrics").text
+        assert read_metric(exposition, "superfluid_park_bytes") > 0
+        assert "superfluid_park_pending_bytes" in exposition
     finally:
         daemon.stop()
     cold = HttpDaemon(tmp_path / "b", "--no-park", max_context=2048, max_batch=2).start()

@@ -104,6 +104,11 @@ class _SchedulerCollector(Collector):
             ("host_cache_budget_bytes", "--host-cache-mb in bytes", lambda s: s.tiers.cache.host.budget),
             ("park_bytes", "Bytes of parked KV states on disk", lambda s: s.tiers.park.bytes if s.tiers.park else 0),
             (
+                "park_pending_bytes",
+                "Bytes of KV states handed to the park's writer and not yet on disk",
+                lambda s: s.tiers.park.pending_bytes if s.tiers.park else 0,
+            ),
+            (
                 "park_budget_bytes",
                 "--park-budget-gb in bytes (0: unbounded)",
                 lambda s: s.tiers.park.budget if s.tiers.park else 0,

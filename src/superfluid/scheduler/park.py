@@ -145,7 +145,7 @@ class Park:
         self._indexed = threading.Event()
         self._writes: queue.Queue[tuple[np.ndarray, bytes] | threading.Event] = queue.Queue()
         self._pending: set[str] = set()  # names handed to the writer and not on disk yet
-        self._pending_bytes = 0
+        self.pending_bytes = 0  # of the states in `_pending`: memory until the writer has them on disk
         directory.mkdir(parents=True, exist_ok=True)
         self._writer = threading.Thread(target=self._write_loop, name="superfluid-park", daemon=True)
         self._writer.start()
@@ -233,11 +233,11 @@ class Park:
         with self._lock:
             if name in self.entries or name in self._pending:
                 return
-            if self._pending and self._pending_bytes + len(state) > PENDING_LIMIT:
+            if self._pending and self.pending_bytes + len(state) > PENDING_LIMIT:
                 self.passed_over += 1
                 return
             self._pending.add(name)
-            self._pending_bytes += len(state)
+            self.pending_bytes += len(state)
         self._writes.put((np.array(tokens, dtype=np.int32), state))
 
     def holds(self, tokens: np.ndarray) -> bool:
@@ -269,7 +269,7 @@ class Park:
             finally:
                 with self._lock:
                     self._pending.discard(_name(tokens))
-                    self._pending_bytes -= len(state)
+                    self.pending_bytes -= len(state)
 
     def _write(self, tokens: np.ndarray, state: builtins.bytes) -> None:
         name = _name(tokens)
