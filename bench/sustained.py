@@ -226,6 +226,7 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
         print(f"  {theirs}", flush=True)
     mib = 2**20
     growth = mine.own_end / mine.own_first
+    share_first, share_last = mine.first / mine.compute_first, mine.last / mine.compute_last
     results = [
         Result(
             "soak, eight clients: tok/s in the last minute / the first",
@@ -251,6 +252,18 @@ def sustained_section(peers: Path | None, quick: bool, threads: int, root: Path,
             "the first minute",
             "higher",
             rounds={"soak's first, last; fresh daemon": [mine.compute_first, mine.compute_last, control.compute_first]},
+        ),
+        Result(
+            "soak: tok/s as a share of llama.cpp's compute rate, in the last minute / the first",
+            share_last / share_first,
+            "(reported)",
+            True,
+            f"{share_last:.3f} vs {share_first:.3f}: the part of llama.cpp's speed that reached the clients, which "
+            "the daemon's own overheads set and the machine's speed does not (a slower machine slows both)",
+            "x",
+            "the first minute",
+            "higher",
+            rounds={"share, first and last minute": [share_first, share_last]},
         ),
         Result(
             "soak: tok/s in the last minute / a fresh daemon's first minute right after",
