@@ -12,8 +12,10 @@ until the first `content_block_delta`. Replaying the recorded bytes keeps the mo
 replies out of it: a 135M model's reply may run to Claude Code's cap, which Claude Code calls
 an error and continues in further requests. Both servers run the same llama.cpp at 8 lanes of
 8,192 tokens; llama-server serves the Anthropic API itself (`/v1/messages`, with `--jinja`).
-The two render the same request into prompts of different lengths (llama-server leaves out
-tools a chat template has no place for), so each line says how many prompt tokens each counted.
+llama-server leaves out tools a chat template has no place for (SmolLM2's has none), which
+would spare it more than a third of the prompt: it is sent each request with the tools
+written into the system prompt as superfluid writes them for such a template, so both
+prefill the same conversation. Each line says how many prompt tokens each counted.
 The systems take turns, three rounds each; each figure is the median of its rounds.
 """
 
@@ -35,7 +37,11 @@ import numpy as np
 from peer import LlamaServer, Server, Superfluid
 from record import Result
 
+from superfluid.api.anthropic import client_tools, conversation
+from superfluid.core.runtime import chat_template
+from superfluid.engine.llama import LlamaModel
 from superfluid.model.resolve import embedded_model
+from superfluid.model.tools import fallback_system_text
 
 # where `make` links the agents it installs (Makefile: agents); the Claude Code there, else one on PATH
 AGENT_BIN = Path(__file__).resolve().parents[1] / ".venv" / "agents" / "bin"
@@ -94,6 +100,22 @@ def claude_requests() -> list[dict]:
     return turns
 
 
+def with_tools_in_the_system_prompt(body: dict, model: Path) -> dict:
+    """A Messages request whose tools are written into its system prompt, in the words and the
+    call markup superfluid gives `model`'s template when that template has no place for tools:
+    the request superfluid prefills, in a shape llama-server keeps whole."""
+    chat = conversation(body.get("system"), body["messages"], body.get("tools") or [])
+    system, *turns = chat.messages
+    if system["role"] != "system" or any(
+        turn["role"] not in ("user", "assistant") or "tool_calls" in turn for turn in turns
+    ):
+        raise ValueError("the recorded request has no system prompt, or turns other than text")
+    dialect = chat_template(LlamaModel(model, vocab_only=True)).dialect
+    folded = fallback_system_text(system["content"], client_tools(body.get("tools")), dialect)
+    kept = {key: value for key, value in body.items() if key not in ("tools", "tool_choice", "system", "messages")}
+    return kept | {"system": folded, "messages": turns}
+
+
 def first_token(url: str, body: dict) -> tuple[float, dict]:
     """Seconds to the first streamed text of `body` (at most 16 tokens), and the usage it reported."""
     started = time.monotonic()
@@ -130,13 +152,17 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int, rou
     else:
         print("agents: llama-server not built (make bench builds it); its column is left out", flush=True)
     turns = claude_requests()
+    sent = {
+        "superfluid": turns,
+        "llama-server": [with_tools_in_the_system_prompt(t, embedded_model().path) for t in turns],
+    }
     first: dict[tuple[str, str], list[float]] = {}
     prompts: dict[tuple[str, str], tuple[int, int]] = {}  # (prompt tokens, of them read from the cache)
     for turn in range(rounds or (1 if quick else ROUNDS)):
         order = list(systems)[turn % len(systems) :] + list(systems)[: turn % len(systems)]
         for name in order:
             with systems[name](f"{turn}") as server:
-                for kind, body in zip(("cold", "warm"), turns, strict=True):
+                for kind, body in zip(("cold", "warm"), sent[name], strict=True):
                     seconds, usage = first_token(server.url, body)
                     first.setdefault((name, kind), []).append(seconds)
                     prompts[(name, kind)] = _prompt(usage)
