@@ -112,6 +112,29 @@ def test_a_writer_behind_by_the_limit_passes_states_over(tmp_path: Path, monkeyp
     assert park.holds(prefixes[3]) and park.passed_over == 2
 
 
+def test_the_writer_gives_way_while_a_job_waits_for_its_first_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(park_module, "WRITE_PIECE", len(STATE) // 4)  # four pieces, a wait before each
+    park = Park(tmp_path, FINGERPRINT, 0)
+    waiting = threading.Event()
+    waiting.set()
+    park.give_way_to = waiting.is_set
+    park.put(TOKENS, STATE)
+    time.sleep(0.3)
+    assert not park.entries and park.pending_bytes == len(STATE), "nothing written while a job waits"
+    waiting.clear()
+    park.flush()
+    assert park.lookup(TOKENS, 100) is not None and park.read(next(iter(park.entries.values()))) == STATE
+    # a job that never gets its first token holds each piece back GIVE_WAY_S at most: the state is parked
+    monkeypatch.setattr(park_module, "GIVE_WAY_S", 0.05)
+    waiting.set()
+    other = np.arange(2000, 2064, dtype=np.int32)
+    park.put(other, STATE)
+    park.flush()
+    assert park.holds(other) and park.pending_bytes == 0
+
+
 @pytest.mark.e2e
 def test_a_session_comes_back_warm_from_the_park_after_a_sigkill(tmp_path: Path) -> None:
     daemon = HttpDaemon(tmp_path / "a", max_context=2048, max_batch=2).start()

@@ -111,6 +111,23 @@ def test_a_scheduler_with_a_park_measures_its_rates_before_it_takes_a_job(tmp_pa
         scheduler.stop()
 
 
+def test_the_park_writer_gives_way_from_a_jobs_submission_to_its_first_token(tmp_path: Path) -> None:
+    context = FakeEngine(sequences=4, delay=0.05)
+    park = Park(tmp_path, park_fingerprint("test model", 1), 0)
+    scheduler = Scheduler(context, lanes=2, window=256, park=park)
+    scheduler.start()
+    try:
+        assert park.give_way_to == scheduler.awaits_first_token and not park.give_way_to()
+        job, sink = started(scheduler, [5, 6, 7], 3000)
+        assert park.give_way_to(), "a job waits for its first token"
+        while not sink.out:
+            time.sleep(0.001)
+        assert not park.give_way_to(), "its first token is out: the writer goes on while it decodes"
+        scheduler.cancel(job)
+    finally:
+        scheduler.stop()
+
+
 def test_a_copy_source_is_never_the_slot_evicted_for_its_copy() -> None:
     shared = list(range(100, 140))
     alone = Scheduler(FakeEngine(sequences=4), lanes=1, window=256)

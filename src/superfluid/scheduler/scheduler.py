@@ -133,6 +133,8 @@ class Scheduler:
         self._admissions = itertools.count()
         self._cv = threading.Condition()
         self._stopping = False
+        if park is not None:
+            park.give_way_to = self.awaits_first_token
         self._worker_gone = False
         self._thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
@@ -271,6 +273,11 @@ class Scheduler:
                 # a daemon that is never idle parks too, a little at a time
                 self._idle_chore(lambda: self._park_idle(limit=1))
                 parked_at = time.monotonic()
+
+    def awaits_first_token(self) -> bool:
+        """True while a job waits for its first token: queued, or prefilling in a lane. Read from other
+        threads (the park's writer) without the lock: a glance, which a moment later may be stale."""
+        return bool(self._queue) or any(lane.job.generated == 0 for lane in list(self.lanes))
 
     def _idle_chore(self, chore: Callable[[], None]) -> None:
         """Housekeeping between ticks: a worker that dies meanwhile is recovered at the next tick."""
