@@ -40,6 +40,7 @@ from record import Result
 from superfluid.api.anthropic import client_tools, conversation
 from superfluid.core.runtime import chat_template
 from superfluid.engine.llama import LlamaModel
+from superfluid.model.dialects import Dialect
 from superfluid.model.resolve import embedded_model
 from superfluid.model.tools import fallback_system_text
 
@@ -100,9 +101,9 @@ def claude_requests() -> list[dict]:
     return turns
 
 
-def with_tools_in_the_system_prompt(body: dict, model: Path) -> dict:
+def with_tools_in_the_system_prompt(body: dict, dialect: Dialect) -> dict:
     """A Messages request whose tools are written into its system prompt, in the words and the
-    call markup superfluid gives `model`'s template when that template has no place for tools:
+    call markup (`dialect`, the model's) superfluid gives a template with no place for tools:
     the request superfluid prefills, in a shape llama-server keeps whole."""
     chat = conversation(body.get("system"), body["messages"], body.get("tools") or [])
     system, *turns = chat.messages
@@ -110,7 +111,6 @@ def with_tools_in_the_system_prompt(body: dict, model: Path) -> dict:
         turn["role"] not in ("user", "assistant") or "tool_calls" in turn for turn in turns
     ):
         raise ValueError("the recorded request has no system prompt, or turns other than text")
-    dialect = chat_template(LlamaModel(model, vocab_only=True)).dialect
     folded = fallback_system_text(system["content"], client_tools(body.get("tools")), dialect)
     kept = {key: value for key, value in body.items() if key not in ("tools", "tool_choice", "system", "messages")}
     return kept | {"system": folded, "messages": turns}
@@ -152,10 +152,8 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int, rou
     else:
         print("agents: llama-server not built (make bench builds it); its column is left out", flush=True)
     turns = claude_requests()
-    sent = {
-        "superfluid": turns,
-        "llama-server": [with_tools_in_the_system_prompt(t, embedded_model().path) for t in turns],
-    }
+    dialect = chat_template(LlamaModel(embedded_model().path, vocab_only=True)).dialect
+    sent = {"superfluid": turns, "llama-server": [with_tools_in_the_system_prompt(t, dialect) for t in turns]}
     first: dict[tuple[str, str], list[float]] = {}
     prompts: dict[tuple[str, str], tuple[int, int]] = {}  # (prompt tokens, of them read from the cache)
     for turn in range(rounds or (1 if quick else ROUNDS)):

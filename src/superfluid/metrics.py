@@ -180,7 +180,7 @@ class _SchedulerCollector(Collector):
             for lane in list(runtime.scheduler.lanes):
                 job = lane.job
                 session = "" if job.session is None else str(job.session)
-                phase = "decode" if job.generated else "prefill"
+                phase = "prefill" if job.awaits_first_token else "decode"
                 values = [runtime.id, str(lane.seq), session, QOS_NAMES[job.qos], phase]
                 stream.add_metric(values, len(lane.held) + len(lane.feed))
                 generated.add_metric(values, job.generated)

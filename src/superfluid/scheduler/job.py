@@ -91,6 +91,11 @@ class Job:
     spec_accepted: int = 0  # of them, those it would have drawn anyway
     times: JobTimes | None = None  # stamped when its caller logs or traces it
 
+    @property
+    def awaits_first_token(self) -> bool:
+        """Still in its prefill: nothing generated yet."""
+        return self.generated == 0
+
 
 @dataclass(eq=False)
 class Lane:

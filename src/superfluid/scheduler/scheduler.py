@@ -277,7 +277,7 @@ class Scheduler:
     def awaits_first_token(self) -> bool:
         """True while a job waits for its first token: queued, or prefilling in a lane. Read from other
         threads (the park's writer) without the lock: a glance, which a moment later may be stale."""
-        return bool(self._queue) or any(lane.job.generated == 0 for lane in list(self.lanes))
+        return bool(self._queue) or any(lane.job.awaits_first_token for lane in list(self.lanes))
 
     def _idle_chore(self, chore: Callable[[], None]) -> None:
         """Housekeeping between ticks: a worker that dies meanwhile is recovered at the next tick."""
