@@ -34,6 +34,7 @@ from .sqlite import SqliteLog
 from .state import SessionState, SessionTable
 
 B = EventBody
+FORKS = (B.Forked, B.Rebased)  # records that begin a session from another's events
 log = logging.getLogger("superfluid.store")
 # The reference daemon's log file; a sessions directory holding one is imported at first open.
 REFERENCE_LOG = "wal.log"
@@ -69,6 +70,7 @@ class SessionStore:
         # Writers hold `lock` from their checks through their commit, so a session changes under one
         # writer at a time; readers never take it (a record is applied only once it is on disk).
         self.lock = threading.RLock()
+        self._writing: set[int] = set()  # the sessions of the commits in progress (a load commits inside one)
         self._all_loaded = False  # every session of the log is in `table` (a log of its own only)
         self.imported = self._import_reference_log(directory / REFERENCE_LOG)
         self.fenced = 0  # sessions of earlier runs loaded (and given their EpochBump) so far
@@ -235,7 +237,7 @@ class SessionStore:
         for state in sorted(sessions.values(), key=lambda s: s.last_used):
             if excess == 0:
                 break
-            if not self.busy(state.id):
+            if not self.busy(state.id) and state.id not in self._writing:
                 self._dropped[state.id] = None if state.purged else state.summary()  # before it leaves memory
                 del sessions[state.id]
                 excess -= 1
@@ -282,42 +284,54 @@ class SessionStore:
     def commit(self, writes: Sequence[tuple[int, EventBody]]) -> list[EventMsg]:
         """Append records (session id, body) in one transaction; returns the committed events."""
         with self.lock:
-            ts = now_ms()
-            pending: dict[int, tuple[int, int]] = {}  # session -> (next event id, epoch)
-            records = []
-            for session_id, body in writes:
-                if isinstance(body, B.Created):
-                    event_id, epoch = 0, 1
-                elif isinstance(body, (B.Forked, B.Rebased)):
-                    event_id, epoch = body.fork_at, 1
-                    self.get(body.parent)  # a fork begins from its parent's state, served here
-                elif session_id in pending:
-                    event_id, epoch = pending[session_id]
-                else:
-                    state = self.table.sessions.get(session_id) or self._served(session_id)
-                    if state is None:
-                        raise KeyError(f"session {session_id} is not in the log")
-                    event_id, epoch = state.next_id, state.epoch
-                if isinstance(body, B.EpochBump):
-                    epoch += 1  # the run that writes it starts a new epoch of the session
-                pending[session_id] = (event_id + 1, epoch)
-                records.append(Record(session_id, EventMsg(event_id, epoch, ts, body)))
+            # a session this commit loads commits its fence first, whose trim must not drop the sessions
+            # (and forks' parents) of this one: they are applied to memory once the records are on disk
+            outer = self._writing
+            self._writing = outer | {s for s, _ in writes} | {b.parent for _, b in writes if isinstance(b, FORKS)}
             try:
-                self.log.append(records)
-            except LeaseLost as e:
-                self.forget(e.sessions)
-                raise
-            except Exception:
-                if self.leases is not None:  # the commit may have landed: what is in memory may be behind
-                    self.forget(sorted(pending))
-                raise
-            for record in records:
-                self.table.apply(record.session, record.event)
-            used = next(self._uses)
-            for session_id in pending:
-                self.table.sessions[session_id].last_used = used
+                events = self._commit(writes)
+            finally:
+                self._writing = outer
             self._trim()
-            return [r.event for r in records]
+            return events
+
+    def _commit(self, writes: Sequence[tuple[int, EventBody]]) -> list[EventMsg]:
+        """`commit`, under the lock."""
+        ts = now_ms()
+        pending: dict[int, tuple[int, int]] = {}  # session -> (next event id, epoch)
+        records = []
+        for session_id, body in writes:
+            if isinstance(body, B.Created):
+                event_id, epoch = 0, 1
+            elif isinstance(body, FORKS):
+                event_id, epoch = body.fork_at, 1
+                self.get(body.parent)  # a fork begins from its parent's state, served here
+            elif session_id in pending:
+                event_id, epoch = pending[session_id]
+            else:
+                state = self.table.sessions.get(session_id) or self._served(session_id)
+                if state is None:
+                    raise KeyError(f"session {session_id} is not in the log")
+                event_id, epoch = state.next_id, state.epoch
+            if isinstance(body, B.EpochBump):
+                epoch += 1  # the run that writes it starts a new epoch of the session
+            pending[session_id] = (event_id + 1, epoch)
+            records.append(Record(session_id, EventMsg(event_id, epoch, ts, body)))
+        try:
+            self.log.append(records)
+        except LeaseLost as e:
+            self.forget(e.sessions)
+            raise
+        except Exception:
+            if self.leases is not None:  # the commit may have landed: what is in memory may be behind
+                self.forget(sorted(pending))
+            raise
+        for record in records:
+            self.table.apply(record.session, record.event)
+        used = next(self._uses)
+        for session_id in pending:
+            self.table.sessions[session_id].last_used = used
+        return [r.event for r in records]
 
     def close(self) -> None:
         self.log.close()
