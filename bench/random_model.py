@@ -21,6 +21,7 @@ llama.cpp's `llama-quantize` makes it Q4_K_M.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ def gguf_py(peers: Path) -> Any:
     found = sorted(peers.glob("src/llama_cpp_python-*/vendor/llama.cpp/gguf-py"))
     if not found:
         raise SystemExit(f"no llama.cpp source under {peers}/src: run `make peers` first")
-    sys.path.insert(0, str(found[-1]))
+    if str(found[-1]) not in sys.path:
+        sys.path.insert(0, str(found[-1]))
     import gguf
 
     return gguf
@@ -105,23 +107,33 @@ SHAPE_KEYS = (
 )
 
 
+@functools.cache
+def metadata(peers: Path, source: Path) -> dict[str, tuple[Any, Any, Any]]:
+    """`source`'s metadata fields: each one's value, type and element type (for arrays). Read once a process:
+    gguf-py parses the 49,152 tokens and merges of the embedded model's vocabulary in about 3 s, where writing
+    a small model takes under one (the exactness tests write one a weight type)."""
+    gguf = gguf_py(peers)
+    fields = {}
+    for name, field in gguf.GGUFReader(source).fields.items():
+        vtype = field.types[0]
+        fields[name] = (field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    return fields
+
+
 def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = "q4_1") -> None:
     """Write the model: `source`'s metadata (tokenizer, template, rope, norms) with `shape`'s sizes, and
     weights drawn at random, quantized to Q4_1 or Q4_0, drawn as K-quant blocks (one type, or Q4_K_M's mix), or
     kept as f16 (`weights`)."""
     gguf = gguf_py(peers)
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields["general.architecture"].contents()
+    fields = metadata(peers, source)
+    arch = fields["general.architecture"][0]
     if arch != "llama":
         raise SystemExit(f"{source} is a {arch} model; this writer knows llama's tensors only")
     replaced = {f"{arch}.{key}" for key in SHAPE_KEYS} | {"general.architecture", "general.name", "general.file_type"}
     writer = gguf.GGUFWriter(target.with_suffix(".partial"), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in replaced:
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub)
+    for name, (value, vtype, sub) in fields.items():
+        if not name.startswith("GGUF.") and name not in replaced:
+            writer.add_key_value(name, value, vtype, sub)
     writer.add_name(shape.name(weights))
     writer.add_embedding_length(shape.width)
     writer.add_block_count(shape.layers)
@@ -131,7 +143,7 @@ def write(shape: Shape, peers: Path, source: Path, target: Path, weights: str = 
     writer.add_rope_dimension_count(shape.head_dim)
     file_type = f"MOSTLY_{weights.upper()}_S" if weights in ("q3_k", "q4_k", "q5_k") else f"MOSTLY_{weights.upper()}"
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
     rng = np.random.default_rng(SEED)
 
     def matrix(name: str, rows: int, columns: int) -> None:

@@ -163,8 +163,9 @@ def launch(address: str, agent: str, args: list[str], home: Path, timeout: float
         "PATH": f"{AGENT_BIN}:{os.environ['PATH']}",
         "HOME": str(home),
         "SUPERFLUID_HOME": str(home / ".superfluid"),
-        # Claude Code asks for 32,000 tokens: a 135M model's reply may fill the window
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "600",
+        # Claude Code asks for 32,000 tokens: a 135M model's reply may fill the window. It continues a reply
+        # cut at the cap three times before it gives up, so a reply that rambles on costs four caps
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300",
     }
     command = [*SUPERFLUID, "launch", agent, "--http", address, "--", *args]
     return subprocess.run(command, cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
