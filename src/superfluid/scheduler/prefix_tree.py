@@ -28,15 +28,32 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class _Node(Generic[K]):
+    """A point where held token lists part. Most nodes are leaves, about one a key held, and a leaf's keys all
+    end at it: so the keys that pass through a node are kept apart (`through`) only once it has had children,
+    which leaves a leaf 64 bytes of keys where a set and a dict of one key took 440."""
+
     __slots__ = ("children", "edge", "ends", "through")
 
     def __init__(self, edge: np.ndarray) -> None:
         self.edge = edge  # the tokens from the parent's end to this node's
         self.children: dict[int, _Node[K]] = {}  # by the first token of the child's edge
-        self.through: dict[K, None] = {}  # the keys whose tokens cover this node's edge, oldest first
-        # the keys whose tokens end exactly here, most often one: a list (56-64 bytes) where a set takes 216, in a
-        # tree of a node or two a key
-        self.ends: list[K] = []
+        self.ends: list[K] = []  # the keys whose tokens end exactly here, oldest first
+        # the keys whose tokens cover this node's edge, oldest first; None while those are `ends` (a leaf)
+        self.through: dict[K, None] | None = None
+
+    def keys(self) -> dict[K, None]:
+        """The keys whose tokens cover this node's edge, oldest first (kept apart from now on)."""
+        if self.through is None:
+            self.through = dict.fromkeys(self.ends)
+        return self.through
+
+    def latest(self) -> K:
+        """The key added last of those whose tokens cover this node's edge."""
+        return self.ends[-1] if self.through is None else next(reversed(self.through))
+
+    def held(self) -> bool:
+        """True while a key's tokens cover this node's edge."""
+        return bool(self.ends if self.through is None else self.through)
 
 
 class PrefixTree(Generic[K]):
@@ -62,19 +79,19 @@ class PrefixTree(Generic[K]):
         node, pos = self._root, 0
         while pos < len(tokens):
             child = node.children.get(int(tokens[pos]))
-            if child is None:
+            if child is None:  # a new leaf, whose keys are its ends
                 child = node.children[int(tokens[pos])] = _Node(tokens[pos:])
-                child.through[key] = None
                 node, pos = child, len(tokens)
                 break
             shared = common_prefix(child.edge, tokens[pos : pos + len(child.edge)])
             if shared < len(child.edge):  # the tokens part from the edge inside it: a node where they part
                 middle: _Node[K] = _Node(child.edge[:shared])
-                middle.through = dict(child.through)
+                middle.through = dict(child.keys())
                 child.edge = child.edge[shared:]
                 middle.children[int(child.edge[0])] = child
                 node.children[int(tokens[pos])] = child = middle
-            child.through[key] = None
+            if child.through is not None or pos + shared < len(tokens):  # not a leaf the key ends at
+                child.keys()[key] = None
             node, pos = child, pos + shared
         node.ends.append(key)  # `add` removed it first where it was held
 
@@ -86,12 +103,13 @@ class PrefixTree(Generic[K]):
         node, pos, path = self._root, 0, []
         while pos < len(tokens):
             child = node.children[int(tokens[pos])]
-            del child.through[key]
+            if child.through is not None:
+                del child.through[key]
             path.append((node, child))
             node, pos = child, pos + len(child.edge)
         node.ends.remove(key)
         for parent, child in reversed(path):
-            if not child.through:  # no key passes here any more, nor below
+            if not child.held():  # no key passes here any more, nor below
                 del parent.children[int(child.edge[0])]
 
     def longest(self, tokens: np.ndarray, limit: int) -> tuple[K, int] | None:
@@ -109,7 +127,7 @@ class PrefixTree(Generic[K]):
         length = min(pos, limit)
         if deepest is None or length <= 0:
             return None
-        return next(reversed(deepest.through)), length
+        return deepest.latest(), length
 
     def prefixes_of(self, tokens: np.ndarray) -> list[K]:
         """The keys whose whole tokens are a prefix of `tokens` (equal ones included)."""
