@@ -44,6 +44,7 @@ def test_a_parked_state_reads_back_and_a_prefix_finds_it(tmp_path: Path) -> None
     again = Park(tmp_path, FINGERPRINT, 0)  # a restart indexes what is on disk
     found = again.lookup(TOKENS, 10)
     assert found is not None and found[1] == 10 and again.read(found[0]) == STATE
+    assert again.bytes == park.bytes == found[0].size > len(STATE)
 
 
 def test_truncated_flipped_and_foreign_files_are_refused_and_deleted(tmp_path: Path) -> None:
@@ -52,7 +53,7 @@ def test_truncated_flipped_and_foreign_files_are_refused_and_deleted(tmp_path: P
     data = entry.path.read_bytes()
     entry.path.write_bytes(data[:-100])
     assert park.read(entry) is None and not entry.path.exists() and park.refused == 1
-    assert park.lookup(TOKENS, 100) is None
+    assert park.lookup(TOKENS, 100) is None and park.bytes == 0
 
     park = parked(tmp_path)
     (entry,) = park.entries.values()

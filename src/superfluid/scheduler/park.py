@@ -155,6 +155,7 @@ class Park:
         self.shared = shared  # other daemons write here too
         self._looked = 0.0  # when a shared park last looked for their files
         self.entries: dict[str, ParkedEntry] = {}
+        self._bytes = 0  # the entries' sizes summed: read at every write and scrape, over thousands of entries
         self._tree: PrefixTree[str] = PrefixTree()  # the entries' tokens by name, for `lookup`
         self.parks = self.resumes = self.refused = 0
         self.passed_over = 0  # states not parked because the writer was PENDING_LIMIT behind
@@ -170,8 +171,7 @@ class Park:
 
     @property
     def bytes(self) -> int:
-        with self._lock:
-            return sum(e.size for e in self.entries.values())
+        return self._bytes
 
     def _scan(self) -> None:
         """Index the files a previous run left: headers only; leftovers of torn writes go.
@@ -326,28 +326,31 @@ class Park:
 
     def _hold(self, entry: ParkedEntry) -> None:
         """Index a parked file (the caller holds the lock)."""
+        self._let_go(entry.name)  # another daemon's write of the same state, indexed meanwhile
         self.entries[entry.name] = entry
+        self._bytes += entry.size
         self._tree.add(entry.name, entry.tokens)
 
     def _let_go(self, name: str) -> ParkedEntry | None:
         """Forget a parked file's entry, if it has one (the caller holds the lock)."""
         self._tree.remove(name)
-        return self.entries.pop(name, None)
+        entry = self.entries.pop(name, None)
+        if entry is not None:
+            self._bytes -= entry.size
+        return entry
 
     def _trim(self) -> None:
         """Least recently used files go first beyond the budget."""
         if not self.budget:
             return
         with self._lock:
-            total = sum(e.size for e in self.entries.values())
-            if total <= self.budget:
+            if self._bytes <= self.budget:
                 return  # most writes: no need to order thousands of entries
             for entry in sorted(self.entries.values(), key=lambda e: e.used):
-                if total <= self.budget:
+                if self._bytes <= self.budget:
                     break
                 self._let_go(entry.name)
                 entry.path.unlink(missing_ok=True)
-                total -= entry.size
 
     # ---- reading ----
 
