@@ -101,6 +101,11 @@ def claude_requests() -> list[dict]:
     return turns
 
 
+def embedded_dialect() -> Dialect:
+    """The tool-call dialect superfluid gives the embedded model's template."""
+    return chat_template(LlamaModel(embedded_model().path, vocab_only=True)).dialect
+
+
 def with_tools_in_the_system_prompt(body: dict, dialect: Dialect) -> dict:
     """A Messages request whose tools are written into its system prompt, in the words and the
     call markup (`dialect`, the model's) superfluid gives a template with no place for tools:
@@ -152,7 +157,7 @@ def agent_figures(root: Path, peers: Path | None, quick: bool, threads: int, rou
     else:
         print("agents: llama-server not built (make bench builds it); its column is left out", flush=True)
     turns = claude_requests()
-    dialect = chat_template(LlamaModel(embedded_model().path, vocab_only=True)).dialect
+    dialect = embedded_dialect()
     sent = {"superfluid": turns, "llama-server": [with_tools_in_the_system_prompt(t, dialect) for t in turns]}
     first: dict[tuple[str, str], list[float]] = {}
     prompts: dict[tuple[str, str], tuple[int, int]] = {}  # (prompt tokens, of them read from the cache)

@@ -23,12 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from agents import AGENT_BIN, with_tools_in_the_system_prompt  # bench/, which runs the agents too
+from agents import AGENT_BIN, embedded_dialect, with_tools_in_the_system_prompt  # bench/ runs the agents too
 from conftest import CITY_FUNCTION, HttpDaemon, free_port
-
-from superfluid.core.runtime import chat_template
-from superfluid.engine.llama import LlamaModel
-from superfluid.model.resolve import embedded_model
 
 pytestmark = pytest.mark.e2e
 
@@ -211,8 +207,7 @@ def test_claude_code_answers_and_its_second_run_with_the_same_tools_is_warm(
     assert warm >= 0.9 * prompt, (warm, prompt)
     # the bench sends llama-server, which drops tools SmolLM2's template has no place for, this request
     # with its tools written into the system prompt: to superfluid both are the same prompt
-    dialect = chat_template(LlamaModel(embedded_model().path, vocab_only=True)).dialect
-    folded = with_tools_in_the_system_prompt(turn.json(), dialect)
+    folded = with_tools_in_the_system_prompt(turn.json(), embedded_dialect())
     assert "tools" not in folded and "<tools>" in folded["system"]
     assert counted_tokens(served, folded) == counted_tokens(served, turn.json())
     proxy.check()

@@ -31,6 +31,7 @@ from .errors import StoreError
 from .leases import LEASES_SCHEMA, Leases, LeaseTiming
 from .log import Parent, Pin, Record, Rerooted, event_row, lineage_filter, move_lineage, sequenced
 from .responses import RESPONSES_SCHEMA
+from .state import FORKS
 
 logger = logging.getLogger("superfluid.store")
 SCHEMA_VERSION = 2  # 2: leases
@@ -41,7 +42,6 @@ RETRY_S = 8.0  # how long a dropped connection is retried before the caller hear
 CONNECT_S = 2.0  # a wait for a pooled connection, retried within RETRY_S
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 T = TypeVar("T")
-FORKS = (EventBody.Forked, EventBody.Rebased)  # a record that starts a session from a parent's events
 STARTS = (EventBody.Created, *FORKS)  # a record that starts a session
 
 _SCHEMA = (

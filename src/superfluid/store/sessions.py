@@ -31,10 +31,9 @@ from ..protocol.wal import read_log
 from .leases import LeaseLost, Leases, SessionElsewhere
 from .log import Record, SessionLog
 from .sqlite import SqliteLog
-from .state import SessionState, SessionTable
+from .state import FORKS, SessionState, SessionTable
 
 B = EventBody
-FORKS = (B.Forked, B.Rebased)  # records that begin a session from another's events
 log = logging.getLogger("superfluid.store")
 # The reference daemon's log file; a sessions directory holding one is imported at first open.
 REFERENCE_LOG = "wal.log"
@@ -260,7 +259,7 @@ class SessionStore:
             return None
         scratch = SessionTable()
         seq, first = records[0]
-        if isinstance(first.event.body, (B.Forked, B.Rebased)):
+        if isinstance(first.event.body, FORKS):
             parent = self._replay(first.event.body.parent, seq)
             if parent is None:
                 raise RuntimeError(f"session {session_id} forks from session {first.event.body.parent}, not in the log")

@@ -28,6 +28,7 @@ from ..protocol.schema import (
 )
 
 B = EventBody
+FORKS = (B.Forked, B.Rebased)  # a record that starts a session from a parent's events
 
 
 @dataclass
@@ -201,7 +202,7 @@ class SessionTable:
         body = event.body
         if isinstance(body, B.Created):
             self._start(SessionState(session_id, body.parent, 0, body.params), body.parent)
-        elif isinstance(body, (B.Forked, B.Rebased)):
+        elif isinstance(body, FORKS):
             state = SessionState(session_id, body.parent, body.fork_at, body.params)
             parent = self.sessions[body.parent]
             state.qos_class, state.batch_invariant = parent.qos_class, parent.batch_invariant
