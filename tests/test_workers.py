@@ -220,6 +220,25 @@ def test_a_model_that_does_not_load_is_a_clear_error(tmp_path: Path) -> None:
     assert str(broken) in started.stderr and "does not load" in started.stderr, started.stderr
 
 
+def test_a_template_that_does_not_load_takes_the_worker_started_beside_it(tmp_path: Path) -> None:
+    # the worker loads the weights while the daemon reads the template: a load that fails there stops it too
+    from superfluid.config import ServeConfig
+    from superfluid.core.runtime import open_runtime
+
+    missing = tmp_path / "missing.jinja"
+    config = ServeConfig(sessions=tmp_path / "s", chat_template=missing, max_context=512, max_batch=1, threads=2)
+    before = set(children())
+    with pytest.raises(ValueError, match=r"--chat-template .*missing\.jinja"):
+        open_runtime("embedded", embedded_model().path, config)
+    assert set(children()) == before, "a worker outlived the load it was started for"
+
+
+def children() -> list[int]:
+    """Pids of this process's children, alive or not yet reaped."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+
 def two_models(tmp_path: Path, *extra: str, **sizes: int) -> HttpDaemon:
     """A daemon serving the embedded model (the default) and a copy of it named `second`."""
     other = tmp_path / "models" / "second.gguf"

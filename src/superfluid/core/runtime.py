@@ -218,10 +218,6 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     model = LlamaModel(path, vocab_only=config.worker_process, placement=placement, exact=kernels == "exact")
     if config.fim_tokens is not None:
         model.set_fim(*config.fim_tokens)
-    template = chat_template(model, config)
-    # the tables that turn tokens into text, 0.05 s each for a 49,152-token vocabulary, are made now rather than in
-    # the first reply
-    model.pieces, model.special_pieces  # noqa: B018
     trained = model.n_ctx_train or 8192
     window = config.max_context or min(trained, 8192)
     if window > trained:
@@ -229,19 +225,25 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
     loaded = (environment or {}).get(LIBRARY_ENV)
     flash = flash_attention_on(Path(loaded) if loaded else None)
     shape = ContextShape(window, min(config.max_batch + SPARE_SLOTS, 256), BATCH_TOKENS, config.threads, flash)
-    engine: Engine
+    worker = None
     if config.worker_process:
         # a worker learns where the weights go from its environment (placement.py)
         environment = {**(environment or {}), **placement.environment()}
         worker = WorkerEngine(path, shape, model.end_of_generation, environment=environment)
-        try:
-            worker.start()
-        except BaseException:
-            worker.close()  # its shared memory goes with it
-            raise
-        engine = worker
-    else:
-        engine = LocalEngine(LlamaContext(model, shape, Interrupt()))
+    try:
+        if worker is not None:
+            # it loads the weights while the template and the token tables are made here: the embedded model's
+            # worker takes half a second to serve, and this a quarter of one
+            worker.spawn()
+        template = chat_template(model, config)
+        model.pieces, model.special_pieces  # noqa: B018  # made now rather than in the first reply
+        if worker is not None:
+            worker.wait_ready()
+    except BaseException:
+        if worker is not None:
+            worker.close()  # its process and its shared memory go with it
+        raise
+    engine: Engine = worker if worker is not None else LocalEngine(LlamaContext(model, shape, Interrupt()))
     # a state is computed by one library: the fast build's and the wheel's exact kernels round differently
     # (the fast build's directory is named after its version, patches and CPU: resolved, it names its contents)
     library = str(Path(loaded).resolve()) if loaded else "llama-cpp-python"

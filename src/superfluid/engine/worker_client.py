@@ -87,6 +87,7 @@ class WorkerEngine:
         self.pid: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
+        self._starting: tuple[subprocess.Popen[bytes], socket.socket] | None = None  # spawned, not yet ready
         self._copying = False
         self._deaths: list[float] = []  # deaths of workers that never finished a step
         self._served = False
@@ -106,6 +107,12 @@ class WorkerEngine:
 
     def start(self) -> None:
         """Start a worker and wait until its model is loaded; WorkerFailed with its reason otherwise."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start a worker without waiting for it: its imports and model load (half a second for the embedded
+        model) go on beside whatever the caller does until `wait_ready`."""
         ours, theirs = socket.socketpair()
         command = [*_command(), "--fd", str(theirs.fileno()), "--model", str(self.model_path)]
         command += ["--shared-fd", str(self._shared.fd), "--interrupt-fd", str(self.interrupt.fd)]
@@ -117,8 +124,17 @@ class WorkerEngine:
             proc = subprocess.Popen(
                 command, pass_fds=(theirs.fileno(), self._shared.fd, self.interrupt.fd), env=environment
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
+        self._starting = (proc, ours)
+
+    def wait_ready(self) -> None:
+        """Wait until the worker `spawn` started has loaded its model; WorkerFailed with its reason otherwise."""
+        assert self._starting is not None, "wait_ready before spawn"
+        (proc, ours), self._starting = self._starting, None
         ours.settimeout(READY_TIMEOUT_S)
         try:
             kind, payload = wire.receive(ours)
@@ -173,6 +189,11 @@ class WorkerEngine:
     def close(self) -> None:
         """Stop the worker: it reads the end of its channel and exits."""
         self._stopping = True
+        if self._starting is not None:  # spawned, and the load failed before it was waited for
+            (proc, ours), self._starting = self._starting, None
+            ours.close()
+            proc.kill()
+            proc.wait()
         if self._channel is not None:
             self._channel.close()  # the worker reads end of file and exits
         if self._proc is not None:
