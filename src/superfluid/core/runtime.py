@@ -211,8 +211,9 @@ def open_park(config: ServeConfig, identity: bytes) -> Park | None:
     return Park(directory, identity, budget, shared=shared)
 
 
-def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
-    """Load a model: its vocabulary here, its weights in a worker (or here, without one)."""
+def open_runtime(model_id: str, path: Path, config: ServeConfig, spawned: Callable[[], None] = lambda: None) -> Runtime:
+    """Load a model: its vocabulary here, its weights in a worker (or here, without one); `spawned` is called
+    once the worker is on its way."""
     kernels, environment = kernels_for(config)
     placement = Placement(config.gpu_layers, config.gpus, config.tensor_split)
     model = LlamaModel(path, vocab_only=config.worker_process, placement=placement, exact=kernels == "exact")
@@ -235,6 +236,7 @@ def open_runtime(model_id: str, path: Path, config: ServeConfig) -> Runtime:
             # it loads the weights while the template and the token tables are made here: the embedded model's
             # worker takes half a second to serve, and this a quarter of one
             worker.spawn()
+            spawned()
         template = chat_template(model, config)
         model.pieces, model.special_pieces  # noqa: B018  # made now rather than in the first reply
         if worker is not None:
@@ -298,6 +300,7 @@ class Models:
     def __init__(self, config: ServeConfig, on_load: Callable[[Runtime], None] = lambda runtime: None) -> None:
         self.config = config
         self.on_load = on_load  # the daemon wires a new runtime's scheduler to its commits
+        self.on_spawn: Callable[[], None] = lambda: None  # a model's worker was spawned: its weights load meanwhile
         self.known: dict[str, Known] = {}
         self.default_id = ""
         self._lock = threading.RLock()
@@ -363,7 +366,7 @@ class Models:
     def _load(self, model_id: str, known: Known) -> None:
         started = time.monotonic()
         try:
-            runtime = open_runtime(model_id, known.path, self.config)
+            runtime = open_runtime(model_id, known.path, self.config, self.on_spawn)
         except EngineError as e:
             raise ModelError(f"{known.path} does not load: {e}", 422) from None
         known.runtime = runtime
