@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 WINDOW = 8192
 LANES = 1  # five slots with the spares: the sixth session evicts a slot's entry
-PROMPT = " ".join(f"Entry {i} of the ledger reads {i * 37 % 1000} units." for i in range(120))
+PROMPT = " ".join(f"Entry {i} of the ledger reads {i * 37 % 1000} units." for i in range(50))
 
 
 def kv_resident_bytes(pid: int, pool: int) -> int:
