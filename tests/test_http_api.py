@@ -322,13 +322,13 @@ def test_health_metrics_and_origin_checks(api: HttpDaemon) -> None:
     assert httpx.get(f"{api.url}/").text == "superfluid is running"
 
 
-def _hang_up_after(api: HttpDaemon, path: str, body: dict, seconds: float) -> None:
-    """A non-streaming request whose client closes its socket before the reply."""
+def _hang_up_when(api: HttpDaemon, path: str, body: dict, told: threading.Event) -> None:
+    """A non-streaming request whose client closes its socket before the reply, once `told` (or after 10 s)."""
     data = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     with socket.create_connection(("127.0.0.1", api.port)) as raw:
         raw.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        time.sleep(seconds)
+        told.wait(10)
 
 
 @pytest.mark.parametrize(
@@ -341,15 +341,19 @@ def _hang_up_after(api: HttpDaemon, path: str, body: dict, seconds: float) -> No
 )
 def test_a_non_streaming_client_that_hangs_up_frees_its_lane(api: HttpDaemon, path: str, body: dict) -> None:
     body = {**body, "messages": [{"role": "user", "content": "Write a very long story."}]}
-    clients = [threading.Thread(target=_hang_up_after, args=(api, path, body, 4.0)) for _ in range(4)]
+    hang_up = threading.Event()
+    clients = [threading.Thread(target=_hang_up_when, args=(api, path, body, hang_up)) for _ in range(4)]
     for client in clients:
         client.start()
     started = time.monotonic()
     while api.metric("superfluid_lanes_active") < 4 and time.monotonic() - started < 3.5:
         time.sleep(0.05)
-    assert api.metric("superfluid_lanes_active") == 4, "the four generations are running"
+    running = api.metric("superfluid_lanes_active")
+    time.sleep(0.3)  # well into their 2,000 tokens
+    hang_up.set()
     for client in clients:
         client.join()
+    assert running == 4, "the four generations were running"
     hung_up = time.monotonic()
     while api.metric("superfluid_lanes_active") > 0 and time.monotonic() - hung_up < 5:
         time.sleep(0.05)
