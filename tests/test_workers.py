@@ -419,7 +419,10 @@ def test_unloading_a_model_whose_workers_keep_dying_starts_no_new_one(tmp_path: 
         unloaded = httpx.post(f"{proc.url}/v1/models/unload", json={"model": second}, timeout=60)
         assert unloaded.status_code == 200
         assert time.monotonic() - started < 4, "the unload waited for the restart's backoff"
-        time.sleep(9)  # past the backoff: no worker may have started for the unloaded model
+        deadline = time.monotonic() + 10
+        while "no new worker for second.gguf" not in proc.log.read_text():
+            assert time.monotonic() < deadline, "the restart waiting out its backoff was not given up"
+            time.sleep(0.05)
         assert len(workers_of(proc)) == 1, "a worker started for a model that was unloaded"
         answers_a_session(proc, 2)
     finally:

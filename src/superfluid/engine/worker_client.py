@@ -173,7 +173,8 @@ class WorkerEngine:
         if delay:
             log.warning("workers keep dying (%d in a minute): waiting %.1f s before the next", len(self._deaths), delay)
         if self._abandoned.wait(delay):
-            return  # the model is being unloaded: no worker for it
+            log.info("no new worker for %s: its model is being unloaded", self.model_path.name)
+            return
         self.start()
         log.info("a new llama.cpp worker (pid %d) serves %s", self.pid, self.model_path.name)
 
