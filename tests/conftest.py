@@ -249,6 +249,12 @@ EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PICKED_PORT = 10000
 
 
+def children(pid: int) -> list[int]:
+    """Pids of a process's children (alive, or dead and not yet reaped), whichever of its threads started them."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
+
+
 def free_port() -> int:
     """A loopback port nothing is bound to, from below the kernel's ephemeral range."""
     ephemeral = int(EPHEMERAL_PORT_RANGE.read_text().split()[0]) if EPHEMERAL_PORT_RANGE.exists() else 32768

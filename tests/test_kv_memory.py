@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess, forced, new_session, say
+from conftest import DaemonProcess, children, forced, new_session, say
 
 from superfluid.client import SocketClient
 from superfluid.core.runtime import SPARE_SLOTS
@@ -48,9 +48,9 @@ def kv_resident_bytes(pid: int, pool: int) -> int:
 
 def worker_of(daemon: DaemonProcess) -> int:
     assert daemon.proc is not None
-    children = Path(f"/proc/{daemon.proc.pid}/task/{daemon.proc.pid}/children").read_text().split()
-    assert len(children) == 1, f"one llama.cpp worker, not {children}"
-    return int(children[0])
+    workers = children(daemon.proc.pid)
+    assert len(workers) == 1, f"one llama.cpp worker, not {workers}"
+    return workers[0]
 
 
 def prefilled(client: SocketClient, text: str) -> None:

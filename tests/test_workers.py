@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import HttpDaemon, chat_body, forced, generated_tokens, new_session, say
+from conftest import HttpDaemon, chat_body, children, forced, generated_tokens, new_session, say
 
 from superfluid.model.resolve import embedded_model
 from superfluid.protocol.schema import FINISH_ERROR, EventBody, Request, Response
@@ -227,16 +227,10 @@ def test_a_template_that_does_not_load_takes_the_worker_started_beside_it(tmp_pa
 
     missing = tmp_path / "missing.jinja"
     config = ServeConfig(sessions=tmp_path / "s", chat_template=missing, max_context=512, max_batch=1, threads=2)
-    before = set(children())
+    before = set(children(os.getpid()))
     with pytest.raises(ValueError, match=r"--chat-template .*missing\.jinja"):
         open_runtime("embedded", embedded_model().path, config)
-    assert set(children()) == before, "a worker outlived the load it was started for"
-
-
-def children() -> list[int]:
-    """Pids of this process's children, alive or not yet reaped."""
-    tasks = Path(f"/proc/{os.getpid()}/task")
-    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+    assert set(children(os.getpid())) == before, "a worker outlived the load it was started for"
 
 
 def two_models(tmp_path: Path, *extra: str, **sizes: int) -> HttpDaemon:
