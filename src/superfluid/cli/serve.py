@@ -49,8 +49,8 @@ class HttpImports:
     """The HTTP listeners' modules, imported on a thread of their own once `start` is first called."""
 
     def __init__(self, more: tuple[str, ...] = ()) -> None:
-        self.thread = threading.Thread(target=self._load, args=(HTTP_MODULES + more,), name="superfluid-imports")
-        self.thread.daemon = True
+        names = HTTP_MODULES + more
+        self.thread = threading.Thread(target=self._load, args=(names,), name="superfluid-imports", daemon=True)
 
     @staticmethod
     def _load(names: tuple[str, ...]) -> None:
